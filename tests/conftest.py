@@ -1,0 +1,32 @@
+"""Strict test environment shared by every test.
+
+The host platform is split into 8 CPU devices before JAX is imported, so the sharding tests
+can build a mesh; dtype promotion is strict so an accidental float64/int64 or a silent
+int32 -> float upcast fails loudly; x64 stays off (the library must work in 32-bit mode).
+"""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _flags:
+    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_enable_x64", False)
+
+
+def pytest_configure(config):
+    # A test that silently ran on 1 device would hide sharding bugs.
+    assert jax.device_count() == 8, "conftest must run before anything imports jax"
+
+
+@pytest.fixture
+def rng():
+    import numpy as np
+
+    return np.random.default_rng(0)
