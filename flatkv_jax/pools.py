@@ -7,6 +7,7 @@ arrays only, so a jitted step can take it donated and return it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 
 import jax
@@ -107,10 +108,13 @@ def create_pools(
         s = sharding.get(g.name) if isinstance(sharding, Mapping) else sharding
         per_field = []
         for f_specs in g_specs:
-            shape, dtype = f_specs[0].shape, f_specs[0].dtype
-            make = jax.jit(
-                lambda shape=shape, dtype=dtype: jnp.zeros(shape, dtype), out_shardings=s
-            )
+            make = _zeros_maker(f_specs[0].shape, f_specs[0].dtype, s)
             per_field.append(tuple(make() for _ in f_specs))
         arrays.append(tuple(per_field))
     return Pools(tuple(arrays))
+
+
+@functools.lru_cache(maxsize=256)
+def _zeros_maker(shape: tuple[int, ...], dtype: jnp.dtype, sharding: jax.sharding.Sharding | None):
+    # Cached so that creating pools again (tests, sleep/wake) reuses the compiled zeros.
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)

@@ -1,0 +1,47 @@
+"""The on-device prefix index: content keys, per-group hash tables, LRU of cached-only pages,
+and prefix matching. See ``docs/prefix.md``.
+
+Modules:
+
+- :mod:`~flatkv_jax.prefix.keys`: chained 128-bit block keys from token ids (+ namespace).
+- :mod:`~flatkv_jax.prefix.index`: :class:`PrefixIndex`, key -> page, first publisher wins.
+- :mod:`~flatkv_jax.prefix.lru`: :class:`CachedLRU`, eviction order of cached-only pages.
+- :mod:`~flatkv_jax.prefix.match`: :func:`match_prompts`, the common hit across groups.
+"""
+
+from flatkv_jax.prefix import index, keys, lru, match
+from flatkv_jax.prefix.index import PrefixIndex, create_index, create_indexes
+from flatkv_jax.prefix.keys import (
+    KEY_WORDS,
+    LANES,
+    block_keys,
+    chain_sums,
+    extend_sums,
+    namespace_words,
+)
+from flatkv_jax.prefix.lru import CachedLRU, create_lru, create_lrus
+from flatkv_jax.prefix.match import MatchLayout, PrefixMatch, match_prompts
+
+__all__ = [
+    "KEY_WORDS",
+    "LANES",
+    "CachedLRU",
+    "MatchLayout",
+    "PrefixIndex",
+    "PrefixMatch",
+    "block_keys",
+    "chain_sums",
+    "create_index",
+    "create_indexes",
+    "create_lru",
+    "create_lrus",
+    "extend_sums",
+    "index",
+    "keys",
+    "keys_at",
+    "keys_from_sums",
+    "lru",
+    "match",
+    "match_prompts",
+    "namespace_words",
+]

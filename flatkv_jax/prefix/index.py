@@ -1,0 +1,329 @@
+"""A fixed-capacity, per-group hash table from prefix key to page, on device.
+
+Layout: ``num_buckets`` buckets (a power of two) of ``WAYS = 8`` entries. A key may live in
+one of two buckets, picked by its hash lanes 0 and 1 (two-choice hashing): a lookup compares
+the 2 x 8 entries of those buckets — O(1) per key, no probing chains, no tombstones — and
+an insert goes to the less loaded of the two (by the loads before the call; rows of one batch
+that overflow their first bucket try the other). The default capacity is at least four times
+the group's usable pages; every page is in the index at most once, so the load stays <= 1/4
+and a full bucket pair is very rare (it costs 32 bytes per page, nothing next to a page of
+KV). If it happens the insert is reported as not taken: the block is simply not cached (a miss
+later, never a wrong hit).
+
+A reverse map ``slot_of_page`` (one int32 per pool page) makes removal by page O(1) and tells
+the allocator whether the index holds a page (its "index reference").
+
+Every operation is a pure function, batched, and costs O(entries touched) plus an
+O(N log N) sort of the N-row batch (for first-publisher-wins among duplicates); only
+:func:`create_index` / :func:`clear` touch the whole table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from flatkv_jax.errors import check_positive_int, fail
+from flatkv_jax.plan import RESERVED_PAGES, CachePlan
+from flatkv_jax.prefix._batch import first_occurrence, rank_within
+from flatkv_jax.prefix.keys import KEY_WORDS
+
+#: Entries per bucket.
+WAYS = 8
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrefixIndex:
+    """One group's prefix index (a pytree of arrays; sizes are static through the shapes).
+
+    Attributes:
+      keys: uint32[num_buckets, WAYS, KEY_WORDS], the key of each entry (zeros when empty).
+      pages: int32[num_buckets, WAYS], the entry's page; 0 marks an empty entry.
+      slot_of_page: int32[num_pages], the flat entry ``bucket * WAYS + way`` holding each page,
+        or -1 when the index does not hold the page.
+      count: int32[], entries in use (== pages the index holds).
+    """
+
+    keys: jax.Array
+    pages: jax.Array
+    slot_of_page: jax.Array
+    count: jax.Array
+
+    @property
+    def num_buckets(self) -> int:
+        return self.pages.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.pages.shape[0] * WAYS
+
+    @property
+    def num_pages(self) -> int:
+        return self.slot_of_page.shape[0]
+
+
+def default_buckets(usable_pages: int) -> int:
+    """Buckets for a pool of ``usable_pages``: the power of two giving capacity >= 4x pages."""
+    check_positive_int("usable_pages", usable_pages)
+    need = max(2, -(-4 * usable_pages // WAYS))
+    return 1 << (need - 1).bit_length()
+
+
+def create_index(num_pages: int, *, num_buckets: int | None = None) -> PrefixIndex:
+    """An empty index for a pool of ``num_pages`` pages (null and scratch pages included).
+
+    Args:
+      num_pages: pages of the group's pool array.
+      num_buckets: a power of two >= 2; defaults to :func:`default_buckets`.
+
+    Raises:
+      ValueError/TypeError: a bad page or bucket count.
+    """
+    check_positive_int("num_pages", num_pages)
+    if num_pages <= RESERVED_PAGES:
+        fail(
+            "num_pages",
+            num_pages,
+            f"a pool needs more than the {RESERVED_PAGES} reserved pages",
+            "give the pool usable pages",
+        )
+    if num_buckets is None:
+        num_buckets = default_buckets(num_pages - RESERVED_PAGES)
+    check_positive_int("num_buckets", num_buckets)
+    if num_buckets < 2 or num_buckets & (num_buckets - 1):
+        fail(
+            "num_buckets",
+            num_buckets,
+            "bucket counts are powers of two >= 2",
+            "round up to a power of two",
+        )
+    return PrefixIndex(
+        keys=jnp.zeros((num_buckets, WAYS, KEY_WORDS), jnp.uint32),
+        pages=jnp.zeros((num_buckets, WAYS), jnp.int32),
+        slot_of_page=jnp.full((num_pages,), -1, jnp.int32),
+        count=jnp.zeros((), jnp.int32),
+    )
+
+
+def create_indexes(plan: CachePlan) -> tuple[PrefixIndex, ...]:
+    """One empty index per group of ``plan``, in group order."""
+    if not isinstance(plan, CachePlan):
+        fail(
+            "plan",
+            plan,
+            "it must be a CachePlan",
+            "build one with plan_with_pages or plan_for_budget",
+            exc=TypeError,
+        )
+    return tuple(create_index(plan.pages(g)) for g in plan.groups)
+
+
+def clear(index: PrefixIndex) -> PrefixIndex:
+    """An empty index of the same shape (O(capacity + pages): for wake/repair, not per step)."""
+    return create_index(index.num_pages, num_buckets=index.num_buckets)
+
+
+def _flat_keys(index: PrefixIndex, keys: jax.Array) -> jax.Array:
+    keys = jnp.asarray(keys)
+    if keys.dtype != jnp.uint32 or keys.ndim < 1 or keys.shape[-1] != KEY_WORDS:
+        fail(
+            "keys",
+            f"{keys.dtype}{list(keys.shape)}",
+            f"keys are uint32[..., {KEY_WORDS}]",
+            "build them with flatkv_jax.prefix.keys",
+        )
+    return keys.reshape(-1, KEY_WORDS)
+
+
+def _valid(valid, shape: tuple[int, ...]) -> jax.Array:
+    if valid is None:
+        return jnp.ones((math.prod(shape),), bool)
+    valid = jnp.asarray(valid)
+    if valid.dtype != jnp.bool_ or valid.shape != shape:
+        fail(
+            "valid",
+            f"{valid.dtype}{list(valid.shape)}",
+            f"a bool mask of shape {shape}",
+            "pass a bool array shaped like the batch",
+        )
+    return valid.reshape(-1)
+
+
+def _buckets(index: PrefixIndex, k: jax.Array) -> jax.Array:
+    """int32[N, 2]: the two candidate buckets of each key (hash lanes 0 and 1)."""
+    mask = jnp.uint32(index.num_buckets - 1)
+    return jnp.stack([k[:, 0] & mask, k[:, 1] & mask], axis=1).astype(jnp.int32)
+
+
+def _find(index: PrefixIndex, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(page int32[N], flat slot int32[N]) of each key; 0 / -1 when absent."""
+    bk = _buckets(index, k)
+    cand_keys = index.keys[bk]  # [N, 2, WAYS, KEY_WORDS]
+    cand_pages = index.pages[bk]  # [N, 2, WAYS]
+    hit = jnp.all(cand_keys == k[:, None, None, :], axis=-1) & (cand_pages > 0)
+    page = jnp.max(jnp.where(hit, cand_pages, 0), axis=(1, 2))
+    slots = bk[:, :, None] * WAYS + jnp.arange(WAYS, dtype=jnp.int32)[None, None, :]
+    slot = jnp.max(jnp.where(hit, slots, -1), axis=(1, 2))
+    return page, slot
+
+
+def lookup(index: PrefixIndex, keys: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+    """Pages of ``keys`` (read-only: touches no state, no LRU order).
+
+    Args:
+      index: the group's index.
+      keys: uint32[..., KEY_WORDS].
+      valid: optional bool[...]; invalid keys miss.
+
+    Returns:
+      int32[...]: the page holding each key's block, 0 on a miss.
+    """
+    shape = keys.shape[:-1]
+    k = _flat_keys(index, keys)
+    v = _valid(valid, shape)
+    page, _ = _find(index, k)
+    return jnp.where(v, page, 0).reshape(shape)
+
+
+def holds(index: PrefixIndex, pages: jax.Array) -> jax.Array:
+    """bool[...]: whether the index holds each page (its index reference). Out-of-range -> False."""
+    pages = jnp.asarray(pages, jnp.int32)
+    ok = (pages >= 0) & (pages < index.num_pages)
+    return ok & (index.slot_of_page[jnp.clip(pages, 0, index.num_pages - 1)] >= 0)
+
+
+def _place(
+    index: PrefixIndex, k: jax.Array, pages: jax.Array, bucket: jax.Array, want: jax.Array
+) -> tuple[PrefixIndex, jax.Array]:
+    """Writes the wanted rows into free ways of ``bucket``; rows that do not fit are not placed."""
+    rank = rank_within(bucket, want)
+    free = index.pages[bucket] == 0  # [N, WAYS]
+    nth = jnp.cumsum(free.astype(jnp.int32), axis=1)
+    placed = want & (rank < nth[:, -1])
+    way = jnp.argmax(free & (nth == rank[:, None] + 1), axis=1).astype(jnp.int32)
+    slot = bucket * WAYS + way
+    cap = index.capacity
+    target = jnp.where(placed, slot, cap)  # cap is out of range: dropped
+    new = PrefixIndex(
+        keys=index.keys.reshape(cap, KEY_WORDS)
+        .at[target]
+        .set(k, mode="drop")
+        .reshape(index.keys.shape),
+        pages=index.pages.reshape(cap)
+        .at[target]
+        .set(pages, mode="drop")
+        .reshape(index.pages.shape),
+        slot_of_page=index.slot_of_page.at[jnp.where(placed, pages, index.num_pages)].set(
+            slot, mode="drop"
+        ),
+        count=index.count + jnp.sum(placed, dtype=jnp.int32),
+    )
+    return new, placed
+
+
+def insert(
+    index: PrefixIndex, keys: jax.Array, pages: jax.Array, valid: jax.Array | None = None
+) -> tuple[PrefixIndex, jax.Array]:
+    """Publishes blocks: ``key -> page``, first publisher wins.
+
+    A row takes effect iff it is valid, its page is a usable page (``1 .. num_pages - 2``) not
+    already held by the index and its key is not already present (the row is *eligible*), no
+    earlier eligible row of the batch has the same key or the same page, and its bucket pair
+    has a free entry. The caller adds
+    one index reference to the page of every row that took effect (and only those).
+
+    Args:
+      index: the group's index.
+      keys: uint32[N, KEY_WORDS].
+      pages: int32[N].
+      valid: optional bool[N].
+
+    Returns:
+      ``(index, taken)``: the new index and bool[N].
+    """
+    k = _flat_keys(index, keys)
+    n = k.shape[0]
+    pages = jnp.asarray(pages)
+    if pages.shape != (n,) or pages.dtype != jnp.int32:
+        fail(
+            "pages",
+            f"{pages.dtype}{list(pages.shape)}",
+            f"one int32 page per key, shape ({n},)",
+            "pass int32[N]",
+        )
+    v = _valid(valid, (n,))
+    usable = (pages >= 1) & (pages <= index.num_pages - 2)
+    present, _ = _find(index, k)
+    eligible = v & usable & (present == 0) & ~holds(index, pages)
+    # Both duplicate rules are relative to the same eligible set, so the outcome does not
+    # depend on which rule is applied first.
+    want = eligible & first_occurrence(tuple(k[:, w] for w in range(KEY_WORDS)), eligible)
+    want = want & first_occurrence((pages,), eligible)
+    bk = _buckets(index, k)
+    load = jnp.sum(index.pages[bk] > 0, axis=2)  # [N, 2]
+    pick = (load[:, 1] < load[:, 0]).astype(jnp.int32)
+    first = jnp.take_along_axis(bk, pick[:, None], axis=1)[:, 0]
+    second = jnp.take_along_axis(bk, 1 - pick[:, None], axis=1)[:, 0]
+    index, placed1 = _place(index, k, pages, first, want)
+    index, placed2 = _place(index, k, pages, second, want & ~placed1)
+    return index, placed1 | placed2
+
+
+def remove(
+    index: PrefixIndex, pages: jax.Array, valid: jax.Array | None = None
+) -> tuple[PrefixIndex, jax.Array]:
+    """Drops the entries holding ``pages`` (eviction, or invalidating a page's content).
+
+    Args:
+      index: the group's index.
+      pages: int32[N] (duplicates and pages the index does not hold are fine).
+      valid: optional bool[N].
+
+    Returns:
+      ``(index, removed)``: bool[N], whether the index held the page before the call (true
+      for every duplicate of such a page). The caller drops one index reference per distinct
+      removed page.
+    """
+    pages = jnp.asarray(pages)
+    if pages.ndim != 1 or pages.dtype != jnp.int32:
+        fail(
+            "pages",
+            f"{pages.dtype}{list(pages.shape)}",
+            "pages are int32[N]",
+            "pass a flat int32 array",
+        )
+    v = _valid(valid, pages.shape)
+    removed = v & holds(index, pages)
+    slot = index.slot_of_page[jnp.clip(pages, 0, index.num_pages - 1)]
+    cap = index.capacity
+    target = jnp.where(removed, slot, cap)
+    distinct = first_occurrence((pages,), removed)
+    new = PrefixIndex(
+        keys=index.keys.reshape(cap, KEY_WORDS)
+        .at[target]
+        .set(jnp.uint32(0), mode="drop")
+        .reshape(index.keys.shape),
+        pages=index.pages.reshape(cap).at[target].set(0, mode="drop").reshape(index.pages.shape),
+        slot_of_page=index.slot_of_page.at[jnp.where(removed, pages, index.num_pages)].set(
+            -1, mode="drop"
+        ),
+        count=index.count - jnp.sum(distinct, dtype=jnp.int32),
+    )
+    return new, removed
+
+
+def remove_keys(
+    index: PrefixIndex, keys: jax.Array, valid: jax.Array | None = None
+) -> tuple[PrefixIndex, jax.Array]:
+    """Drops the entries of ``keys``; returns ``(index, pages)`` with the page each key held (0 if absent)."""
+    shape = keys.shape[:-1]
+    k = _flat_keys(index, keys)
+    v = _valid(valid, shape)
+    page, _ = _find(index, k)
+    page = jnp.where(v, page, 0)
+    index, _ = remove(index, page, page > 0)
+    return index, page.reshape(shape)

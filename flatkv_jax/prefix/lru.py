@@ -1,0 +1,294 @@
+"""LRU order of a pool's cached-only pages (held only by the prefix index), on device.
+
+Design: a FIFO ring of page ids in the order pages became cached-only, plus per page the
+sequence number of its one **live** ring entry. A page becomes cached-only when its last table
+reference drops while the index still holds it (:func:`release`: push at the tail); it leaves
+the LRU when a prefix hit takes it back (:func:`acquire`) or when it is evicted (:func:`evict`).
+Acquiring does not search the ring: it only clears the page's ``cached`` flag, so its ring
+entry goes **stale**; eviction pops from the head and skips stale entries (an entry at sequence
+``q`` is live iff ``cached[page] and seq_of_page[page] == q``). Order of becoming unreferenced
+is the LRU order of last use, because a page in use cannot be evicted and re-enters at the
+tail when it is released again.
+
+Sequence numbers are uint32 and wrap; the ring size ``R`` is a power of two, so ``q % R`` stays
+consistent across the wrap, and equality tests are sound because every entry between head and
+tail is within ``R`` of the tail.
+
+Overflow: stale entries accumulate between evictions (a hot page released and re-hit leaves
+one per cycle). When a push would overflow the ring, the ring is **compacted** first (one
+O(R) pass keeping live entries in order, renumbered from the head). With ``R >= 4 x usable
+pages`` (the default) at most ``usable`` entries are live, so a compaction frees at least
+``2 x usable`` entries for later pushes after room for the push itself; its cost is O(1)
+amortised per push. A single push of more than ``R - usable`` pages cannot happen, because a
+pool never has more than ``usable`` cached-only pages.
+
+Eviction pops the first ``n`` live entries (a ``lax.while_loop`` over chunks of the ring from
+the head): O(entries popped), each stale entry popped once in its life, so O(1) amortised.
+:attr:`CachedLRU.count` is the number of cached-only pages; read it (no mutation) to decide
+whether an allocation can succeed before evicting anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from flatkv_jax.errors import check_nonnegative_int, check_positive_int, fail
+from flatkv_jax.plan import RESERVED_PAGES, CachePlan
+from flatkv_jax.prefix import index as index_lib
+from flatkv_jax.prefix._batch import first_occurrence, last_occurrence
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CachedLRU:
+    """One pool's LRU of cached-only pages (a pytree of arrays).
+
+    Attributes:
+      ring: int32[R], page ids by push sequence (entry for sequence ``q`` at ``q % R``).
+      seq_of_page: uint32[num_pages], sequence number of the page's live entry (meaningful
+        only while ``cached``).
+      cached: bool[num_pages], the page is cached-only (in the LRU).
+      head: uint32[], sequence of the oldest entry not yet popped.
+      tail: uint32[], sequence the next push gets.
+      count: int32[], cached-only pages (live entries) == pages :func:`evict` can return.
+    """
+
+    ring: jax.Array
+    seq_of_page: jax.Array
+    cached: jax.Array
+    head: jax.Array
+    tail: jax.Array
+    count: jax.Array
+
+    @property
+    def ring_size(self) -> int:
+        return self.ring.shape[0]
+
+    @property
+    def num_pages(self) -> int:
+        return self.cached.shape[0]
+
+
+def default_ring_size(usable_pages: int) -> int:
+    """The power of two >= 4 x ``usable_pages`` (at least 8); see the module docstring."""
+    check_positive_int("usable_pages", usable_pages)
+    return 1 << (max(8, 4 * usable_pages) - 1).bit_length()
+
+
+def create_lru(num_pages: int, *, ring_size: int | None = None) -> CachedLRU:
+    """An empty LRU for a pool of ``num_pages`` pages (null and scratch pages included).
+
+    Args:
+      num_pages: pages of the group's pool array.
+      ring_size: a power of two >= 2 x usable pages; defaults to :func:`default_ring_size`.
+    """
+    check_positive_int("num_pages", num_pages)
+    if num_pages <= RESERVED_PAGES:
+        fail(
+            "num_pages",
+            num_pages,
+            f"a pool needs more than the {RESERVED_PAGES} reserved pages",
+            "give the pool usable pages",
+        )
+    usable = num_pages - RESERVED_PAGES
+    if ring_size is None:
+        ring_size = default_ring_size(usable)
+    check_positive_int("ring_size", ring_size)
+    if ring_size & (ring_size - 1) or ring_size < 2 * usable:
+        fail(
+            "ring_size",
+            ring_size,
+            f"the ring is a power of two >= 2 x usable pages ({2 * usable}) so that a compaction always makes room",
+            f"pass {default_ring_size(usable)} (the default)",
+        )
+    return CachedLRU(
+        ring=jnp.zeros((ring_size,), jnp.int32),
+        seq_of_page=jnp.zeros((num_pages,), jnp.uint32),
+        cached=jnp.zeros((num_pages,), bool),
+        head=jnp.zeros((), jnp.uint32),
+        tail=jnp.zeros((), jnp.uint32),
+        count=jnp.zeros((), jnp.int32),
+    )
+
+
+def create_lrus(plan: CachePlan) -> tuple[CachedLRU, ...]:
+    """One empty LRU per group of ``plan``, in group order."""
+    if not isinstance(plan, CachePlan):
+        fail(
+            "plan",
+            plan,
+            "it must be a CachePlan",
+            "build one with plan_with_pages or plan_for_budget",
+            exc=TypeError,
+        )
+    return tuple(create_lru(plan.pages(g)) for g in plan.groups)
+
+
+def _pages_arg(lru: CachedLRU, pages, valid) -> tuple[jax.Array, jax.Array]:
+    pages = jnp.asarray(pages)
+    if pages.ndim != 1 or pages.dtype != jnp.int32:
+        fail(
+            "pages",
+            f"{pages.dtype}{list(pages.shape)}",
+            "pages are int32[N]",
+            "pass a flat int32 array",
+        )
+    if valid is None:
+        valid = jnp.ones(pages.shape, bool)
+    valid = jnp.asarray(valid)
+    if valid.shape != pages.shape or valid.dtype != jnp.bool_:
+        fail(
+            "valid",
+            f"{valid.dtype}{list(valid.shape)}",
+            f"a bool mask shaped like pages {pages.shape}",
+            "pass bool[N]",
+        )
+    # Reserved pages never enter the LRU (defensive: a caller bug must not make them evictable).
+    usable = (pages >= 1) & (pages <= lru.num_pages - 2)
+    return pages, valid & usable
+
+
+def _live(lru: CachedLRU, seq: jax.Array, in_range: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(page, live) of the ring entries at sequences ``seq``."""
+    page = lru.ring[(seq & jnp.uint32(lru.ring_size - 1)).astype(jnp.int32)]
+    live = in_range & lru.cached[page] & (lru.seq_of_page[page] == seq)
+    return page, live
+
+
+def compact(lru: CachedLRU) -> CachedLRU:
+    """Rewrites the ring with only its live entries, in order, from the head (O(R))."""
+    r = lru.ring_size
+    j = jnp.arange(r, dtype=jnp.uint32)
+    page, live = _live(lru, lru.head + j, j < lru.tail - lru.head)
+    newpos = jnp.cumsum(live.astype(jnp.uint32), dtype=jnp.uint32) - jnp.uint32(1)
+    seq = lru.head + newpos
+    slot = jnp.where(live, (seq & jnp.uint32(r - 1)).astype(jnp.int32), r)
+    return dataclasses.replace(
+        lru,
+        ring=jnp.zeros_like(lru.ring).at[slot].set(page, mode="drop"),
+        seq_of_page=lru.seq_of_page.at[jnp.where(live, page, lru.num_pages)].set(seq, mode="drop"),
+        tail=lru.head + jnp.sum(live, dtype=jnp.uint32),
+    )
+
+
+def release(lru: CachedLRU, pages: jax.Array, valid: jax.Array | None = None) -> CachedLRU:
+    """Pushes pages that just became cached-only, least recent first (batch order).
+
+    A page pushed twice (in one batch, or while already cached) keeps only its latest position.
+
+    Args:
+      lru: the pool's LRU.
+      pages: int32[N]; the caller pushes exactly the pages whose last table reference dropped
+        while the index holds them. Reserved pages (0 and the scratch page) are ignored.
+      valid: optional bool[N].
+
+    Returns:
+      The new LRU.
+    """
+    pages, valid = _pages_arg(lru, pages, valid)
+    push = last_occurrence((pages,), valid)
+    n_push = jnp.sum(push, dtype=jnp.uint32)
+    new_pages = jnp.sum(push & ~lru.cached[pages], dtype=jnp.int32)
+    lru = jax.lax.cond(
+        lru.tail - lru.head + n_push > jnp.uint32(lru.ring_size), compact, lambda x: x, lru
+    )
+    seq = lru.tail + jnp.cumsum(push.astype(jnp.uint32), dtype=jnp.uint32) - jnp.uint32(1)
+    r = lru.ring_size
+    slot = jnp.where(push, (seq & jnp.uint32(r - 1)).astype(jnp.int32), r)
+    target = jnp.where(push, pages, lru.num_pages)
+    return dataclasses.replace(
+        lru,
+        ring=lru.ring.at[slot].set(pages, mode="drop"),
+        seq_of_page=lru.seq_of_page.at[target].set(seq, mode="drop"),
+        cached=lru.cached.at[target].set(True, mode="drop"),
+        tail=lru.tail + n_push,
+        count=lru.count + new_pages,
+    )
+
+
+def acquire(
+    lru: CachedLRU, pages: jax.Array, valid: jax.Array | None = None
+) -> tuple[CachedLRU, jax.Array]:
+    """Takes pages out of the LRU because a prefix hit references them again.
+
+    Args:
+      lru: the pool's LRU.
+      pages: int32[N] hit pages (duplicates and pages not in the LRU are fine).
+      valid: optional bool[N].
+
+    Returns:
+      ``(lru, was_cached)``: bool[N], the page was cached-only before the call (true for every
+      duplicate of it). O(N log N) in the batch.
+    """
+    pages, valid = _pages_arg(lru, pages, valid)
+    was = valid & lru.cached[pages]
+    gone = jnp.sum(first_occurrence((pages,), was), dtype=jnp.int32)
+    lru = dataclasses.replace(
+        lru,
+        cached=lru.cached.at[jnp.where(was, pages, lru.num_pages)].set(False, mode="drop"),
+        count=lru.count - gone,
+    )
+    return lru, was
+
+
+def evictable(lru: CachedLRU) -> jax.Array:
+    """int32[]: cached-only pages that :func:`evict` could hand out (reads, mutates nothing)."""
+    return lru.count
+
+
+def evict(
+    lru: CachedLRU, index: index_lib.PrefixIndex, n: jax.Array, *, max_pages: int
+) -> tuple[CachedLRU, index_lib.PrefixIndex, jax.Array, jax.Array]:
+    """Evicts the ``n`` least recently released cached-only pages (LRU first).
+
+    Their index entries are removed; the pages leave the index and the LRU with refcount 0,
+    ready for the allocator to hand out (after zeroing).
+
+    Args:
+      lru: the pool's LRU.
+      index: the same pool's prefix index.
+      n: int32[] pages wanted; clipped to ``[0, min(count, max_pages)]``.
+      max_pages: static bound on pages per call (the output width).
+
+    Returns:
+      ``(lru, index, pages, evicted)``: ``pages`` int32[max_pages] in LRU order, padded with -1;
+      ``evicted`` int32[] how many.
+    """
+    check_nonnegative_int("max_pages", max_pages)
+    n = jnp.clip(jnp.asarray(n, jnp.int32), 0, jnp.minimum(lru.count, max_pages))
+    if max_pages == 0:
+        return lru, index, jnp.zeros((0,), jnp.int32), jnp.zeros((), jnp.int32)
+    chunk = min(max(max_pages, 64), lru.ring_size)
+    j = jnp.arange(chunk, dtype=jnp.uint32)
+
+    def cond(carry):
+        head, _, got = carry
+        return (got < n) & (head != lru.tail)
+
+    def body(carry):
+        head, out, got = carry
+        page, live = _live(lru, head + j, j < lru.tail - head)
+        nth = jnp.cumsum(live.astype(jnp.int32))
+        take = live & (nth <= n - got)
+        out = out.at[jnp.where(take, got + nth - 1, max_pages)].set(page, mode="drop")
+        done = nth[-1] >= n - got
+        last = jnp.argmax(take & (nth == n - got)).astype(jnp.uint32)  # entry of the final page
+        step = jnp.where(
+            done, last + jnp.uint32(1), jnp.minimum(jnp.uint32(chunk), lru.tail - head)
+        )
+        return head + step, out, got + jnp.sum(take, dtype=jnp.int32)
+
+    init = (lru.head, jnp.full((max_pages,), -1, jnp.int32), jnp.zeros((), jnp.int32))
+    head, out, got = jax.lax.while_loop(cond, body, init)
+    taken = out >= 0
+    lru = dataclasses.replace(
+        lru,
+        cached=lru.cached.at[jnp.where(taken, out, lru.num_pages)].set(False, mode="drop"),
+        head=head,
+        count=lru.count - got,
+    )
+    index, _ = index_lib.remove(index, out, taken)
+    return lru, index, out, got

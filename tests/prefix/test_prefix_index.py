@@ -1,0 +1,210 @@
+"""The per-group hash index: lookup, first publisher wins, capacity, removal, vs a dict model."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prefix_cases import examples
+
+from flatkv_jax.prefix import index as I
+from flatkv_jax.prefix import keys as K
+
+insert = jax.jit(I.insert)
+lookup = jax.jit(I.lookup)
+remove = jax.jit(I.remove)
+
+
+def _keys(n, seed=0, ns=0):
+    """n distinct keys (blocks of one random prompt, 1 token per block)."""
+    t = np.random.default_rng(seed).integers(0, 1 << 30, (1, n)).astype(np.int32)
+    k, _ = K.block_keys(jnp.asarray(t), jnp.array([n], jnp.int32), ns, block_tokens=1)
+    return k[0]
+
+
+def _check_consistent(idx):
+    """slot_of_page and the table agree, count == entries, no key twice."""
+    pages = np.asarray(idx.pages).reshape(-1)
+    keys = np.asarray(idx.keys).reshape(-1, K.KEY_WORDS)
+    sop = np.asarray(idx.slot_of_page)
+    used = np.flatnonzero(pages)
+    assert int(idx.count) == used.size
+    assert len({tuple(keys[s]) for s in used}) == used.size
+    held = np.flatnonzero(sop >= 0)
+    assert sorted(pages[used].tolist()) == held.tolist()
+    for p in held:
+        assert pages[sop[p]] == p
+    return {tuple(keys[s]): int(pages[s]) for s in used}
+
+
+def test_insert_lookup_and_misses():
+    idx = I.create_index(66)
+    k = _keys(40)
+    idx, taken = insert(idx, k[:32], jnp.arange(1, 33, dtype=jnp.int32), None)
+    assert np.asarray(taken).all()
+    got = np.asarray(lookup(idx, k, None))
+    np.testing.assert_array_equal(got[:32], np.arange(1, 33))
+    np.testing.assert_array_equal(got[32:], 0)
+    # Same key under another namespace or end position misses (those words are compared).
+    other = np.asarray(k).copy()
+    other[:, K.NS_WORD] += 1
+    assert not np.asarray(lookup(idx, jnp.asarray(other), None)).any()
+    other = np.asarray(k).copy()
+    other[:, K.END_WORD] += 1
+    assert not np.asarray(lookup(idx, jnp.asarray(other), None)).any()
+    # valid masks a row; batched shapes are kept.
+    v = jnp.asarray(np.arange(40) % 2 == 0)
+    np.testing.assert_array_equal(
+        np.asarray(lookup(idx, k, v)), np.where(np.arange(40) % 2 == 0, got, 0)
+    )
+    assert lookup(idx, k.reshape(4, 10, K.KEY_WORDS), None).shape == (4, 10)
+    assert I.holds(idx, jnp.array([0, 1, 32, 33, 65, 66, -1], jnp.int32)).tolist() == [
+        False,
+        True,
+        True,
+        False,
+        False,
+        False,
+        False,
+    ]
+    _check_consistent(idx)
+
+
+def test_first_publisher_wins():
+    idx = I.create_index(20)
+    k = _keys(6)
+    idx, taken = insert(idx, k[:2], jnp.array([1, 2], jnp.int32), None)
+    # Row 0: key already present -> keeps page 1. Rows 1,3: same new key -> first wins.
+    # Row 4: page 5 again (second row with page 5) -> not taken. Row 5: page 2 already held.
+    batch = jnp.stack([k[0], k[2], k[3], k[2], k[4], k[5]])
+    pages = jnp.array([7, 3, 5, 4, 5, 2], jnp.int32)
+    idx, taken = insert(idx, batch, pages, None)
+    assert np.asarray(taken).tolist() == [False, True, True, False, False, False]
+    assert np.asarray(lookup(idx, k, None)).tolist() == [1, 2, 3, 5, 0, 0]
+    # Reserved pages (null, scratch) and invalid rows never enter.
+    idx, taken = insert(idx, k[4:6], jnp.array([0, 19], jnp.int32), None)
+    assert not np.asarray(taken).any()
+    idx, taken = insert(idx, k[4:6], jnp.array([8, 9], jnp.int32), jnp.array([False, True]))
+    assert np.asarray(taken).tolist() == [False, True]
+    assert _check_consistent(idx) and int(idx.count) == 5
+
+
+def test_capacity_overflow_is_a_miss_never_a_wrong_hit():
+    idx = I.create_index(202, num_buckets=2)  # 16 entries for 200 usable pages
+    k = _keys(100, seed=3)
+    idx, taken = insert(idx, k, jnp.arange(1, 101, dtype=jnp.int32), None)
+    taken = np.asarray(taken)
+    assert taken.sum() == 16 == int(idx.count)
+    got = np.asarray(lookup(idx, k, None))
+    np.testing.assert_array_equal(got, np.where(taken, np.arange(1, 101), 0))
+    _check_consistent(idx)
+    # Freeing entries makes room again.
+    idx, removed = remove(idx, jnp.asarray(np.flatnonzero(taken)[:4] + 1, np.int32), None)
+    assert np.asarray(removed).all() and int(idx.count) == 12
+    idx, taken2 = insert(idx, k, jnp.arange(1, 101, dtype=jnp.int32), None)
+    assert np.asarray(taken2).sum() == 4
+
+
+def test_default_capacity_holds_every_page():
+    idx = I.create_index(1002)
+    assert idx.capacity >= 4000
+    k = _keys(1000, seed=5)
+    idx, taken = insert(idx, k, jnp.arange(1, 1001, dtype=jnp.int32), None)
+    assert np.asarray(taken).all()
+
+
+def test_remove_and_remove_keys():
+    idx = I.create_index(20)
+    k = _keys(5)
+    idx, _ = insert(idx, k, jnp.arange(1, 6, dtype=jnp.int32), None)
+    idx, removed = remove(idx, jnp.array([2, 2, 9, 0, 19, 4], jnp.int32), None)
+    assert np.asarray(removed).tolist() == [True, True, False, False, False, True]
+    assert int(idx.count) == 3
+    assert np.asarray(lookup(idx, k, None)).tolist() == [1, 0, 3, 0, 5]
+    idx, pages = jax.jit(I.remove_keys)(idx, k[:3], None)
+    assert np.asarray(pages).tolist() == [1, 0, 3]
+    assert np.asarray(lookup(idx, k, None)).tolist() == [0, 0, 0, 0, 5]
+    _check_consistent(idx)
+    assert int(I.clear(idx).count) == 0
+
+
+@settings(max_examples=examples(20), deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.booleans(),
+            st.lists(st.tuples(st.integers(0, 23), st.integers(0, 21)), min_size=1, max_size=8),
+        ),
+        max_size=8,
+    )
+)
+def test_matches_a_dict_model(ops):
+    """Random inserts/removes (fixed batch width 8) against a dict; capacity never binds."""
+    pool = 22
+    keys = np.asarray(_keys(24, seed=11))
+    idx = I.create_index(pool)
+    model: dict[int, int] = {}  # key id -> page
+    for is_insert, rows in ops:
+        rows = rows + [(0, 0)] * (8 - len(rows))
+        valid = np.array([r != (0, 0) for r in rows])
+        kid = np.array([r[0] for r in rows])
+        pg = np.array([r[1] for r in rows], np.int32)
+        if is_insert:
+            idx, taken = insert(idx, jnp.asarray(keys[kid]), jnp.asarray(pg), jnp.asarray(valid))
+            elig = [
+                bool(
+                    valid[i]
+                    and 1 <= pg[i] <= pool - 2
+                    and kid[i] not in model
+                    and pg[i] not in model.values()
+                )
+                for i in range(8)
+            ]
+            want = [
+                elig[i]
+                and not any(elig[j] and (kid[j] == kid[i] or pg[j] == pg[i]) for j in range(i))
+                for i in range(8)
+            ]
+            model.update({int(kid[i]): int(pg[i]) for i in range(8) if want[i]})
+            assert np.asarray(taken).tolist() == want
+        else:
+            idx, removed = remove(idx, jnp.asarray(pg), jnp.asarray(valid))
+            want = [bool(valid[i] and pg[i] in model.values()) for i in range(8)]
+            assert np.asarray(removed).tolist() == want
+            model = {
+                k: p for k, p in model.items() if not any(valid[i] and pg[i] == p for i in range(8))
+            }
+        got = np.asarray(lookup(idx, jnp.asarray(keys), None))
+        assert got.tolist() == [model.get(i, 0) for i in range(24)]
+        _check_consistent(idx)
+
+
+def test_compiles_once_and_errors():
+    idx = I.create_index(20)
+    traces = []
+
+    def publish(idx, keys, pages):
+        traces.append(1)
+        return I.insert(idx, keys, pages)
+
+    f = jax.jit(publish)
+    for s in range(3):
+        idx, _ = f(idx, _keys(4, seed=s), jnp.arange(1 + 4 * s, 5 + 4 * s, dtype=jnp.int32))
+    assert len(traces) == 1 and int(idx.count) == 12
+    with pytest.raises(ValueError, match=r"keys are uint32\[..., 7\]"):
+        I.lookup(idx, jnp.zeros((3, 6), jnp.uint32))
+    with pytest.raises(ValueError, match=r"one int32 page per key, shape \(3,\)"):
+        I.insert(idx, jnp.zeros((3, 7), jnp.uint32), jnp.zeros((2,), jnp.int32))
+    with pytest.raises(ValueError, match=r"a bool mask of shape \(3,\)"):
+        I.lookup(idx, jnp.zeros((3, 7), jnp.uint32), jnp.zeros((3,), jnp.int32))
+    with pytest.raises(ValueError, match="pages are int32"):
+        I.remove(idx, jnp.zeros((2, 2), jnp.int32))
+    with pytest.raises(ValueError, match="bucket counts are powers of two >= 2"):
+        I.create_index(20, num_buckets=3)
+    with pytest.raises(ValueError, match="a pool needs more than the 2 reserved pages"):
+        I.create_index(2)
+    with pytest.raises(TypeError, match="it must be a CachePlan"):
+        I.create_indexes("plan")

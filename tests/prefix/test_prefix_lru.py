@@ -1,0 +1,197 @@
+"""LRU of cached-only pages: release order == eviction order, re-hits, overflow, wraparound."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prefix_cases import examples
+
+from flatkv_jax.prefix import index as I
+from flatkv_jax.prefix import keys as K
+from flatkv_jax.prefix import lru as L
+
+release = jax.jit(L.release)
+acquire = jax.jit(L.acquire)
+evict = jax.jit(L.evict, static_argnames="max_pages")
+
+
+def _pages(*p):
+    return jnp.asarray(np.array(p, np.int32))
+
+
+def _full_index(num_pages):
+    """An index holding every usable page (so eviction has entries to remove)."""
+    n = num_pages - 2
+    t = jnp.asarray(np.arange(n, dtype=np.int32)[None, :])
+    k, _ = jax.jit(K.block_keys, static_argnames="block_tokens")(
+        t, jnp.array([n], jnp.int32), 0, block_tokens=1
+    )
+    idx, taken = jax.jit(I.insert)(
+        I.create_index(num_pages), k[0], jnp.arange(1, n + 1, dtype=jnp.int32), None
+    )
+    assert np.asarray(taken).all()
+    return idx
+
+
+def test_release_order_is_eviction_order():
+    lru, idx = L.create_lru(12), _full_index(12)
+    lru = release(lru, _pages(5, 3, 9), None)
+    lru = release(lru, _pages(1, 7), None)
+    assert int(L.evictable(lru)) == 5
+    lru, idx, out, n = evict(lru, idx, jnp.int32(2), max_pages=4)
+    assert np.asarray(out).tolist() == [5, 3, -1, -1] and int(n) == 2
+    assert (
+        not np.asarray(I.holds(idx, _pages(5, 3))).any()
+        and np.asarray(I.holds(idx, _pages(9, 1, 7))).all()
+    )
+    assert int(idx.count) == 8
+    # Asking for more than there is returns what there is; max_pages caps a call.
+    lru, idx, out, n = evict(lru, idx, jnp.int32(9), max_pages=2)
+    assert np.asarray(out).tolist() == [9, 1] and int(n) == 2
+    lru, idx, out, n = evict(lru, idx, jnp.int32(9), max_pages=4)
+    assert np.asarray(out).tolist() == [7, -1, -1, -1] and int(n) == 1 and int(lru.count) == 0
+    lru, idx, out, n = evict(lru, idx, jnp.int32(3), max_pages=4)
+    assert int(n) == 0 and np.asarray(out).tolist() == [-1] * 4
+
+
+def test_rehit_page_leaves_the_lru_and_returns_at_the_tail():
+    lru, idx = L.create_lru(12), _full_index(12)
+    lru = release(lru, _pages(1, 2, 3, 4), None)
+    lru, was = acquire(lru, _pages(2, 2, 8, 3), jnp.array([True, True, True, False]))
+    assert np.asarray(was).tolist() == [True, True, False, False]
+    assert int(lru.count) == 3
+    lru = release(lru, _pages(2), None)  # released again: most recent
+    lru, idx, out, _ = evict(lru, idx, jnp.int32(4), max_pages=4)
+    assert np.asarray(out).tolist() == [1, 3, 4, 2]
+    # A page released twice in one batch (or while cached) keeps only its latest position.
+    lru = release(lru, _pages(5, 6, 5), None)
+    lru = release(lru, _pages(6), None)
+    assert int(lru.count) == 2
+    lru, idx, out, _ = evict(lru, idx, jnp.int32(2), max_pages=2)
+    assert np.asarray(out).tolist() == [5, 6]
+    # Reserved pages never enter.
+    lru = release(lru, _pages(0, 11, -1, 12), None)
+    assert int(lru.count) == 0
+
+
+def _run_model(lru, idx, ops, num_pages):
+    """Drives the LRU with (kind, pages) ops against an OrderedDict model."""
+    model: collections.OrderedDict[int, None] = collections.OrderedDict()
+    for kind, pages in ops:
+        pages = [p for p in pages if 1 <= p <= num_pages - 2]
+        if kind == "release":
+            for p in pages:
+                model.pop(p, None)
+                model[p] = None
+            width = num_pages - 2
+            arr = np.zeros(width, np.int32)
+            arr[: len(pages)] = pages
+            lru = release(lru, jnp.asarray(arr), jnp.asarray(np.arange(width) < len(pages)))
+        elif kind == "acquire":
+            arr = np.zeros(4, np.int32)
+            arr[: len(pages)] = pages[:4]
+            lru, _ = acquire(lru, jnp.asarray(arr), jnp.asarray(np.arange(4) < len(pages[:4])))
+            for p in pages[:4]:
+                model.pop(p, None)
+        else:
+            n = len(pages)
+            lru, idx, out, got = evict(lru, idx, jnp.int32(n), max_pages=3)
+            want = [model.popitem(last=False)[0] for _ in range(min(n, 3, len(model)))]
+            assert np.asarray(out).tolist() == want + [-1] * (3 - len(want))
+            assert int(got) == len(want)
+        assert int(lru.count) == len(model)
+        assert np.flatnonzero(np.asarray(lru.cached)).tolist() == sorted(model)
+        assert (lru.tail - lru.head) <= lru.ring_size
+    # Drain: everything comes out in model order.
+    rest = []
+    while True:
+        lru, idx, out, got = evict(lru, idx, jnp.int32(3), max_pages=3)
+        if int(got) == 0:
+            break
+        rest += np.asarray(out)[: int(got)].tolist()
+    assert rest == list(model)
+    return lru
+
+
+_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["release", "acquire", "evict"]), st.lists(st.integers(1, 10), max_size=6)
+    ),
+    max_size=25,
+)
+
+
+@settings(max_examples=examples(15), deadline=None)
+@given(_ops)
+def test_matches_an_lru_model_with_ring_overflow(ops):
+    # Smallest legal ring (2 x usable pages): frequent compactions under re-hit churn.
+    lru = L.create_lru(12, ring_size=32)
+    _run_model(lru, _full_index(12), ops, 12)
+
+
+def test_churn_overflows_the_ring_and_keeps_order():
+    lru, idx = L.create_lru(12, ring_size=32), _full_index(12)
+    ops = []
+    for r in range(40):  # every cycle leaves stale entries: the ring must compact repeatedly
+        ops += [("release", [1 + r % 10, 1 + (r + 3) % 10]), ("acquire", [1 + (r + 3) % 10])]
+    ops += [("release", [4, 2, 9])]
+    lru = _run_model(lru, idx, ops, 12)
+
+
+def test_sequence_wraparound():
+    lru = L.create_lru(12, ring_size=32)
+    start = jnp.uint32(2**32 - 5)
+    lru = dataclasses.replace(lru, head=start, tail=start)
+    ops = [("release", [3, 1, 2]), ("acquire", [1]), ("release", [5, 6, 7, 1]), ("evict", [0, 0])]
+    ops += [("release", [8, 9, 10]), ("acquire", [9]), ("release", [9])] * 6
+    _run_model(lru, _full_index(12), ops, 12)
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="the ring is a power of two >= 2 x usable pages"):
+        L.create_lru(12, ring_size=16)
+    with pytest.raises(ValueError, match="the ring is a power of two"):
+        L.create_lru(12, ring_size=48)
+    lru = L.create_lru(12)
+    with pytest.raises(ValueError, match="pages are int32"):
+        L.release(lru, jnp.zeros((2,), jnp.uint32))
+    with pytest.raises(ValueError, match="a bool mask shaped like pages"):
+        L.acquire(lru, jnp.zeros((2,), jnp.int32), jnp.zeros((3,), bool))
+    with pytest.raises(ValueError, match="max_pages=-1 is invalid"):
+        L.evict(lru, I.create_index(12), jnp.int32(1), max_pages=-1)
+    assert L.default_ring_size(10) == 64 and len(L.create_lrus.__doc__) > 0
+
+
+def test_donated_updates_are_in_place():
+    """With the state donated, insert/remove/evict alias it and need only batch-sized temps
+    (release may compact, whose O(ring) temps live in the compaction branch)."""
+    idx, lru = I.create_index(20_002), L.create_lru(20_002)
+
+    def nbytes(*trees):
+        return sum(x.nbytes for t in trees for x in jax.tree_util.tree_leaves(t))
+
+    keys, pages = jnp.zeros((64, K.KEY_WORDS), jnp.uint32), jnp.zeros((64,), jnp.int32)
+    cases = [
+        (jax.jit(I.insert, donate_argnums=0).lower(idx, keys, pages, None), nbytes(idx), True),
+        (jax.jit(I.remove, donate_argnums=0).lower(idx, pages, None), nbytes(idx), True),
+        (
+            jax.jit(L.evict, donate_argnums=(0, 1), static_argnames="max_pages").lower(
+                lru, idx, jnp.int32(3), max_pages=64
+            ),
+            nbytes(lru, idx),
+            True,
+        ),
+        (jax.jit(L.release, donate_argnums=0).lower(lru, pages, None), nbytes(lru), False),
+    ]
+    for lowered, state_bytes, tiny_temp in cases:
+        mem = lowered.compile().memory_analysis()
+        assert mem.alias_size_in_bytes == state_bytes
+        if tiny_temp:
+            assert mem.temp_size_in_bytes < 64 * 1024
