@@ -1,0 +1,284 @@
+"""BlockPoolSet: the page allocator of every pool of a plan at once (free stacks + refcounts).
+
+All pools live in three flat arrays with static per-pool offsets (:class:`PoolLayout`), so one
+call allocates or releases pages in every pool with a handful of vectorised XLA ops instead of
+a handful per pool — on CPU each op costs about a microsecond whatever its size, so ops across
+G pools must not multiply by G.
+
+Every function costs O(pages touched) — the pages taken or released by the call, bounded by
+the static shapes of its arguments — and never scans a pool: a pool of 1M pages costs the same
+per call as one of 16k pages (the arrays are donated, so XLA updates them in place).
+
+Page states (docs/semantics.md): **free** (refcount 0, on its pool's free stack), **in use**
+(referenced by at least one table entry) and **cached-only** (held only by the prefix index,
+issue 5). ``refcount(page) == #table references + #index references``. Page 0 (null) and the
+last page (scratch) of every pool are never on a stack and never handed out.
+
+Allocation order: pages are popped from the top of the pool's free stack. Once the prefix
+index exists, a pool that is short of free pages would next evict cached-only pages (LRU);
+that place is :func:`evictable_pages` (it returns 0 for now) and the comment in
+:func:`acquire`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flatkv_jax.plan import RESERVED_PAGES
+
+_I32 = jnp.int32
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolLayout:
+    """Static placement of every pool in the flat allocator arrays (hashable).
+
+    Pool ``g``'s refcounts are ``refcount[page_offset[g] : page_offset[g] + num_pages[g]]``
+    (indexed by the pool's own page ids) and its free stack is
+    ``free_ids[stack_offset[g] : stack_offset[g] + top[g]]`` (the pool's own page ids).
+
+    Attributes:
+      num_pages: per pool, pages of its pool array including the null and scratch pages.
+    """
+
+    num_pages: tuple[int, ...]
+
+    @property
+    def num_pools(self) -> int:
+        return len(self.num_pages)
+
+    @property
+    def usable(self) -> tuple[int, ...]:
+        return tuple(n - RESERVED_PAGES for n in self.num_pages)
+
+    @functools.cached_property
+    def page_offset(self) -> tuple[int, ...]:
+        return tuple(int(x) for x in np.cumsum((0, *self.num_pages[:-1])))
+
+    @functools.cached_property
+    def stack_offset(self) -> tuple[int, ...]:
+        return tuple(int(x) for x in np.cumsum((0, *self.usable[:-1])))
+
+    @property
+    def total_pages(self) -> int:
+        return sum(self.num_pages)
+
+    @property
+    def total_usable(self) -> int:
+        return sum(self.usable)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockPoolSet:
+    """Allocator state of every pool (a pytree of three arrays; see :class:`PoolLayout`).
+
+    Attributes:
+      free_ids: ``int32[sum of usable pages]``, the free stacks of all pools, each in its
+        segment; the next page pool ``g`` hands out is ``free_ids[stack_offset[g] + top[g] - 1]``.
+      top: ``int32[G]``, free pages per pool.
+      refcount: ``int32[sum of num_pages]``, references per page (table + index entries).
+    """
+
+    free_ids: jax.Array
+    top: jax.Array
+    refcount: jax.Array
+
+    def pool(self, layout: PoolLayout, g: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Pool ``g``'s view: ``(free stack int32[top], top int32[], refcount int32[num_pages])``
+        (host-side inspection; the slices copy)."""
+        so, po = layout.stack_offset[g], layout.page_offset[g]
+        top = self.top[g]
+        return self.free_ids[so : so + int(top)], top, self.refcount[po : po + layout.num_pages[g]]
+
+
+def create_block_pool_set(layout: PoolLayout) -> BlockPoolSet:
+    """Every usable page of every pool free; each pool hands out its page 1 first."""
+    ids = np.concatenate([np.arange(u, 0, -1, dtype=np.int32) for u in layout.usable])
+    return BlockPoolSet(
+        free_ids=jnp.asarray(ids),
+        top=jnp.asarray(layout.usable, _I32),
+        refcount=jnp.zeros((layout.total_pages,), _I32),
+    )
+
+
+def evictable_pages(pools: BlockPoolSet, layout: PoolLayout) -> jax.Array:
+    """Per pool, cached-only pages the allocator could evict when its free stack runs short.
+
+    Eviction hook for the prefix index (issue 5): once cached-only pages exist, acquire counts
+    ``top + evictable`` as available and evicts LRU cached-only pages after popping the whole
+    free stack. Until then there is nothing to evict.
+    """
+    del pools
+    return jnp.zeros((layout.num_pools,), _I32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Acquired:
+    """What :func:`acquire` decided for a batch.
+
+    Attributes:
+      served: ``bool[B]``, rows that got every page they asked for in every pool.
+      short_group: ``int32[B]``, for the first row that could not be served, the first pool
+        (plan order) that was short; -1 elsewhere.
+      short_pages: ``int32[B]``, pages missing in that pool for that row; 0 elsewhere.
+      pages: ``int32[B, G, K]``: row ``r``'s new pages of pool ``g`` (the pool's own ids) in
+        columns ``[0, needs[r, g])``, -1 elsewhere (and for rows not served).
+    """
+
+    served: jax.Array
+    short_group: jax.Array
+    short_pages: jax.Array
+    pages: jax.Array
+
+
+def acquire(
+    pools: BlockPoolSet, layout: PoolLayout, needs: jax.Array, want: jax.Array, k: int
+) -> tuple[BlockPoolSet, Acquired]:
+    """Atomic multi-pool acquire for a batch of requests, served in batch order.
+
+    Rows are served in order; the first row whose needs do not all fit (given the rows served
+    before it) and every later row are not served, and no pool changes for them. Pages taken
+    get refcount 1.
+
+    Args:
+      pools: the allocator (donated by the caller's jit).
+      layout: its static layout.
+      needs: ``int32[B, G]``, pages each row needs in each pool (``0 <= needs <= k``).
+      want: ``bool[B]``, rows that ask for pages (others are ignored and not served).
+      k: static bound on ``needs`` (the last axis of ``pages``).
+
+    Returns:
+      The new allocator and an :class:`Acquired`. Cost: O(B * G * k), independent of pool size.
+    """
+    b = needs.shape[0]
+    needs = jnp.where(want[:, None], needs, 0)
+    incl = jnp.cumsum(needs, axis=0, dtype=_I32)  # [B, G]
+    excl = incl - needs
+    # Issue 5: avail = top + evictable; pages beyond the stack come from LRU eviction.
+    avail = pools.top + evictable_pages(pools, layout)
+    fits_g = incl <= avail[None, :]
+    # incl is monotone in the row index, so "fits" is too: the rows served are a prefix of the
+    # wanting rows (the FIFO rule of docs/semantics.md) without any sequential scan.
+    served = want & jnp.all(fits_g, axis=1)
+    failed = want & ~served
+    first = jnp.argmax(failed)
+    g_short = jnp.argmax(~fits_g[first]).astype(_I32)
+    is_first = jnp.any(failed) & (jnp.arange(b, dtype=_I32) == first)
+    short_group = jnp.where(is_first, g_short, -1)
+    short_pages = jnp.where(is_first, incl[first, g_short] - avail[g_short], 0)
+
+    need = jnp.where(served[:, None], needs, 0)  # [B, G]
+    j = jnp.arange(k, dtype=_I32)[None, None, :]
+    take = j < need[:, :, None]  # [B, G, K]
+    stack_off = jnp.asarray(layout.stack_offset, _I32)[None, :, None]
+    pos = stack_off + pools.top[None, :, None] - 1 - excl[:, :, None] - j
+    pages = jnp.where(take, pools.free_ids[jnp.clip(pos, 0, layout.total_usable - 1)], -1)
+    page_off = jnp.asarray(layout.page_offset, _I32)[None, :, None]
+    flat = jnp.where(take, page_off + pages, layout.total_pages)
+    refcount = pools.refcount.at[flat].set(1, mode="drop")
+    top = pools.top - jnp.sum(need, axis=0, dtype=_I32)
+    return BlockPoolSet(pools.free_ids, top, refcount), Acquired(
+        served, short_group, short_pages, pages
+    )
+
+
+def incref(
+    pools: BlockPoolSet, layout: PoolLayout, group: jax.Array, pages: jax.Array
+) -> BlockPoolSet:
+    """Adds one reference to page ``pages[i]`` of pool ``group[i]`` (pages < 1 skip; a page
+    listed twice gains two). For pages that gain a reference while held (prefix hits, issue 5).
+    """
+    flat = _flat_ids(layout, group, pages)
+    rc = pools.refcount.at[jnp.where(flat >= 0, flat, layout.total_pages)].add(1, mode="drop")
+    return BlockPoolSet(pools.free_ids, pools.top, rc)
+
+
+def decref(
+    pools: BlockPoolSet, layout: PoolLayout, group: jax.Array, pages: jax.Array
+) -> tuple[BlockPoolSet, jax.Array]:
+    """Drops one reference per listed page and pushes pages that reach 0 onto their free stack.
+
+    Listings must be grouped by pool (``group`` non-decreasing, as the coordinator's sweeps
+    produce them). When every listed page holds a single reference (no prefix sharing) each
+    page is listed once and the call is a gather, a scatter and two prefix scans, O(T). A page
+    with several references may be listed several times (shared by several requests of the
+    batch): it loses one reference per listing and is pushed once; that path sorts the listing
+    (O(T log T), no pool-sized scratch). Either way the refcounts are read once, then written
+    once with values that depend on the read — a write -> read -> write -> read chain, or a
+    read used only after the write, would make XLA copy the whole array.
+
+    Args:
+      pools: the allocator (donated by the caller's jit).
+      layout: its static layout.
+      group: ``int32[T]``, the pool of each listing, non-decreasing.
+      pages: ``int32[T]``, page ids within that pool; ids < 1 skip.
+
+    Returns:
+      The new allocator and ``int32[G]``, pages freed per pool.
+    """
+    flat = _flat_ids(layout, group, pages).reshape(-1)
+    group = group.reshape(-1)
+    old = pools.refcount[jnp.clip(flat, 0, layout.total_pages - 1)]
+    shared = jnp.any((flat >= 0) & (old > 1))
+    return jax.lax.cond(
+        shared,
+        lambda: _decref_sorted(pools, layout, flat, group),
+        lambda: _decref_unique(pools, layout, flat, group, old),
+    )
+
+
+def _decref_unique(pools: BlockPoolSet, layout: PoolLayout, flat, group, old):
+    valid = flat >= 0
+    new = old - 1
+    rc = pools.refcount.at[jnp.where(valid, flat, layout.total_pages)].set(new, mode="drop")
+    return _push(pools, layout, rc, flat, group, valid & (new == 0))
+
+
+def _decref_sorted(pools: BlockPoolSet, layout: PoolLayout, flat, group):
+    t = flat.shape[0]
+    big = jnp.iinfo(_I32).max
+    # Sorting by flat id keeps the listings grouped by pool (pool offsets ascend).
+    ps, gs = jax.lax.sort((jnp.where(flat >= 0, flat, big), group), num_keys=1)
+    valid = ps != big
+    idx = jnp.arange(t, dtype=_I32)
+    first = jnp.concatenate([jnp.ones((1,), jnp.bool_), ps[1:] != ps[:-1]])
+    # Listings of each page: from its first listing to the next page's first listing.
+    next_first = jax.lax.cummin(jnp.where(first, idx, t), axis=0, reverse=True)
+    next_first = jnp.concatenate([next_first[1:], jnp.full((1,), t, _I32)])
+    new = pools.refcount[jnp.clip(ps, 0, layout.total_pages - 1)] - (next_first - idx)
+    lead = valid & first
+    rc = pools.refcount.at[jnp.where(lead, ps, layout.total_pages)].set(new, mode="drop")
+    return _push(pools, layout, rc, ps, gs, lead & (new == 0))
+
+
+def _push(pools: BlockPoolSet, layout: PoolLayout, rc, flat, group, win):
+    """Pushes the pages of ``win`` (flat ids, listings grouped by pool) onto their stacks."""
+    win_i = win.astype(_I32)
+    excl = jnp.cumsum(win_i, dtype=_I32) - win_i
+    # Rank among this call's frees of the same pool: wins since the pool's first listing.
+    g_start = jnp.concatenate([jnp.ones((1,), jnp.bool_), group[1:] != group[:-1]])
+    rank = excl - jax.lax.cummax(jnp.where(g_start, excl, 0), axis=0)
+    g_safe = jnp.clip(group, 0, layout.num_pools - 1)
+    stack_off = jnp.asarray(layout.stack_offset, _I32)
+    page_off = jnp.asarray(layout.page_offset, _I32)
+    freed = (
+        jnp.zeros((layout.num_pools,), _I32)
+        .at[jnp.where(win, g_safe, layout.num_pools)]
+        .add(1, mode="drop")
+    )
+    slot = jnp.where(win, stack_off[g_safe] + pools.top[g_safe] + rank, layout.total_usable)
+    free_ids = pools.free_ids.at[slot].set(flat - page_off[g_safe], mode="drop")
+    return BlockPoolSet(free_ids, pools.top + freed, rc), freed
+
+
+def _flat_ids(layout: PoolLayout, group: jax.Array, pages: jax.Array) -> jax.Array:
+    """Flat refcount index of (pool, page), or -1 for pages < 1 (never the null page)."""
+    page_off = jnp.asarray(layout.page_offset, _I32)
+    return jnp.where(pages > 0, page_off[jnp.clip(group, 0, layout.num_pools - 1)] + pages, -1)

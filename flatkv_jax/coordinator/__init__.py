@@ -1,0 +1,82 @@
+"""The coordinator: the request lifecycle as pure, jitted functions over a pytree cache state.
+
+- state: :class:`CacheState`, :func:`create_state`, :class:`StateLayout` (:mod:`.state`)
+- inputs: :class:`AdmitBatch`, :class:`ExtendBatch`, :class:`RetireBatch`,
+  :class:`RewindBatch`, :class:`HandleBatch`, :class:`ReleaseBatch`, :class:`ReleaseMode`
+  (:mod:`.batches`)
+- operations: ``admit``, ``extend``, ``retire``, ``rewind``, ``reclaim``, ``release`` (jitted,
+  state donated) and their plain ``*_fn`` forms for composing inside your own jit (:mod:`.ops`)
+- results: :class:`StepResult`, :class:`RetireResult`, :class:`ReclaimResult`,
+  :class:`StatusResult` (:mod:`.results`)
+- step metadata: :class:`StepMetadata`, ``step_metadata`` / :func:`step_metadata_fn`
+  (:mod:`.metadata`)
+- host helpers: :mod:`.host` (batch builders); audit: :mod:`.audit` (page counts, invariants)
+
+Contract: docs/semantics.md; API and decisions: docs/coordinator.md.
+"""
+
+from flatkv_jax.coordinator.batches import (
+    AdmitBatch,
+    ExtendBatch,
+    HandleBatch,
+    ReleaseBatch,
+    ReleaseMode,
+    RetireBatch,
+    RewindBatch,
+)
+from flatkv_jax.coordinator.metadata import (
+    StepMetadata,
+    step_metadata,
+    step_metadata_fn,
+    window_columns,
+)
+from flatkv_jax.coordinator.ops import (
+    admit,
+    admit_fn,
+    extend,
+    extend_fn,
+    reclaim,
+    reclaim_fn,
+    release,
+    release_fn,
+    retire,
+    retire_fn,
+    rewind,
+    rewind_fn,
+)
+from flatkv_jax.coordinator.results import ReclaimResult, RetireResult, StatusResult, StepResult
+from flatkv_jax.coordinator.state import CacheState, PoolView, StateLayout, create_state
+
+__all__ = [
+    "AdmitBatch",
+    "CacheState",
+    "ExtendBatch",
+    "HandleBatch",
+    "PoolView",
+    "ReclaimResult",
+    "ReleaseBatch",
+    "ReleaseMode",
+    "RetireBatch",
+    "RetireResult",
+    "RewindBatch",
+    "StateLayout",
+    "StatusResult",
+    "StepMetadata",
+    "StepResult",
+    "admit",
+    "admit_fn",
+    "create_state",
+    "extend",
+    "extend_fn",
+    "reclaim",
+    "reclaim_fn",
+    "release",
+    "release_fn",
+    "retire",
+    "retire_fn",
+    "rewind",
+    "rewind_fn",
+    "step_metadata",
+    "step_metadata_fn",
+    "window_columns",
+]

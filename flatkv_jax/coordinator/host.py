@@ -1,0 +1,191 @@
+"""Thin host-side helpers: build fixed-size batches from Python lists, read results back.
+
+No state lives here and no decision is taken here: every transition happens in the jitted
+operations. The builders only pad to a fixed batch size (``max_requests`` by default, so one
+compilation serves every step) and check that the Python values are ints that fit int32.
+
+Example::
+
+    state, res = ops.admit(plan, state, admit_batch(plan, [(prompt_len, first_chunk)]))
+    (handle,) = handles(res)[:1]
+    state, res = ops.extend(plan, state, extend_batch(plan, [(handle, 1)]))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flatkv_jax.coordinator.batches import (
+    AdmitBatch,
+    ExtendBatch,
+    HandleBatch,
+    ReleaseBatch,
+    ReleaseMode,
+    RetireBatch,
+    RewindBatch,
+)
+from flatkv_jax.errors import fail
+from flatkv_jax.plan import CachePlan
+from flatkv_jax.status import Status
+
+#: A request handle: ``(slot, generation)``.
+Handle = tuple[int, int]
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+def _size(plan: CachePlan, n: int, size: int | None) -> int:
+    size = plan.limits.max_requests if size is None else size
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        fail(
+            "size",
+            size,
+            "the batch size must be an int >= 1",
+            "pass size=None (max_requests) or a positive int",
+            exc=TypeError if not isinstance(size, int) else ValueError,
+        )
+    if n > size:
+        fail(
+            "rows",
+            n,
+            f"a batch of size {size} holds at most {size} rows",
+            "split the rows over several calls or pass a larger size",
+        )
+    return size
+
+
+def _int(what: str, v: object) -> int:
+    if isinstance(v, bool) or not isinstance(v, int | np.integer):
+        fail(what, v, "it must be an int", f"pass {what} as a Python int", exc=TypeError)
+    v = int(v)
+    if not _INT32_MIN <= v <= _INT32_MAX:
+        fail(what, v, "it must fit int32", f"pass {what} within [-2**31, 2**31)")
+    return v
+
+
+def _handle(what: str, h: object) -> Handle:
+    if not isinstance(h, tuple) or len(h) != 2:
+        fail(
+            what,
+            h,
+            "a handle is a (slot, generation) tuple",
+            "pass the handle returned by admit",
+            exc=TypeError,
+        )
+    return _int(f"{what}.slot", h[0]), _int(f"{what}.generation", h[1])
+
+
+def _columns(
+    plan: CachePlan, rows: Sequence, size: int | None, n_cols: int
+) -> tuple[jax.Array, list[jax.Array]]:
+    if not isinstance(rows, Sequence) or isinstance(rows, str):
+        fail(
+            "rows",
+            type(rows).__name__,
+            "rows must be a list or tuple",
+            "pass a list of tuples",
+            exc=TypeError,
+        )
+    size = _size(plan, len(rows), size)
+    valid = np.zeros((size,), np.bool_)
+    valid[: len(rows)] = True
+    cols = [np.zeros((size,), np.int32) for _ in range(n_cols)]
+    return jnp.asarray(valid), cols
+
+
+def admit_batch(
+    plan: CachePlan, rows: Sequence[tuple[int, int]], size: int | None = None
+) -> AdmitBatch:
+    """``rows``: ``(prompt_len, first_chunk)`` per new request."""
+    valid, (pl, fc) = _columns(plan, rows, size, 2)
+    for i, row in enumerate(rows):
+        if not isinstance(row, tuple) or len(row) != 2:
+            fail(
+                f"rows[{i}]",
+                row,
+                "an admit row is (prompt_len, first_chunk)",
+                "pass a 2-tuple of ints",
+                exc=TypeError,
+            )
+        pl[i], fc[i] = _int(f"rows[{i}].prompt_len", row[0]), _int(f"rows[{i}].first_chunk", row[1])
+    return AdmitBatch(valid, jnp.asarray(pl), jnp.asarray(fc))
+
+
+def _handle_rows(plan: CachePlan, rows: Sequence, size: int | None, what: str):
+    valid, (slot, gen, val) = _columns(plan, rows, size, 3)
+    for i, row in enumerate(rows):
+        if not isinstance(row, tuple) or len(row) != 2:
+            fail(
+                f"rows[{i}]",
+                row,
+                f"a row is (handle, {what})",
+                f"pass ((slot, generation), {what})",
+                exc=TypeError,
+            )
+        slot[i], gen[i] = _handle(f"rows[{i}].handle", row[0])
+        val[i] = _int(f"rows[{i}].{what}", row[1])
+    return valid, jnp.asarray(slot), jnp.asarray(gen), jnp.asarray(val)
+
+
+def extend_batch(
+    plan: CachePlan, rows: Sequence[tuple[Handle, int]], size: int | None = None
+) -> ExtendBatch:
+    """``rows``: ``(handle, count)`` per running request."""
+    return ExtendBatch(*_handle_rows(plan, rows, size, "count"))
+
+
+def retire_batch(
+    plan: CachePlan, rows: Sequence[tuple[Handle, int]], size: int | None = None
+) -> RetireBatch:
+    """``rows``: ``(handle, accepted)`` per request whose oldest in-flight step completed."""
+    return RetireBatch(*_handle_rows(plan, rows, size, "accepted"))
+
+
+def rewind_batch(
+    plan: CachePlan, rows: Sequence[tuple[Handle, int]], size: int | None = None
+) -> RewindBatch:
+    """``rows``: ``(handle, new_extent)``."""
+    return RewindBatch(*_handle_rows(plan, rows, size, "extent"))
+
+
+def release_batch(
+    plan: CachePlan, rows: Sequence[tuple[Handle, ReleaseMode]], size: int | None = None
+) -> ReleaseBatch:
+    """``rows``: ``(handle, ReleaseMode)``."""
+    for i, row in enumerate(rows):
+        if isinstance(row, tuple) and len(row) == 2 and not isinstance(row[1], ReleaseMode):
+            fail(
+                f"rows[{i}].mode",
+                row[1],
+                "it must be a ReleaseMode",
+                "pass ReleaseMode.FINISH, ABORT or RETRACT",
+                exc=TypeError,
+            )
+    return ReleaseBatch(*_handle_rows(plan, rows, size, "mode"))
+
+
+def handle_batch(
+    plan: CachePlan, handles_: Sequence[Handle], size: int | None = None
+) -> HandleBatch:
+    """``handles_``: request handles (for ``reclaim``)."""
+    valid, (slot, gen) = _columns(plan, handles_, size, 2)
+    for i, h in enumerate(handles_):
+        slot[i], gen[i] = _handle(f"handles[{i}]", h)
+    return HandleBatch(valid, jnp.asarray(slot), jnp.asarray(gen))
+
+
+def statuses(result, n: int | None = None) -> list[Status]:
+    """The first ``n`` (default all) statuses of a result, as :class:`Status` values."""
+    st = np.asarray(result.status)
+    return [Status(int(x)) for x in (st if n is None else st[:n])]
+
+
+def handles(result, n: int | None = None) -> list[Handle | None]:
+    """The handles of an admit result's first ``n`` rows (``None`` where not admitted)."""
+    st, slot, gen = (np.asarray(x) for x in (result.status, result.slot, result.generation))
+    k = len(st) if n is None else n
+    return [(int(slot[i]), int(gen[i])) if st[i] == Status.OK else None for i in range(k)]

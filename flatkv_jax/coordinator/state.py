@@ -1,0 +1,230 @@
+"""The coordinator's cache state: one pytree of int32/bool arrays, shaped by the plan.
+
+Nothing here is Python state: every field is an array, so the whole state can be passed into
+and returned from a jitted function (donated), sharded, or checkpointed. Shapes depend only on
+the plan and ``fifo_depth`` (static), never on the requests.
+
+Per request slot ``s`` (``R = max_requests`` slots):
+
+- ``live[s]``: the slot holds a request; ``generation[s]`` counts how often the slot was freed
+  (a handle is ``(slot, generation)``); ``pending[s]`` is 0, or ``1 + ReleaseMode`` when a
+  release waits for the request's in-flight steps (the request takes no new steps).
+- ``extent[s]`` (``n``) and ``committed[s]`` (``c``), ``c <= n``.
+- per group ``g``: the table row ``table(plan, state, g)[s, :]`` (``-1`` unallocated, ``0``
+  hole, ``>= 1`` a page of the group's pool), ``lo[g, s]`` and ``hi[g, s]``: slots ``[0, lo)``
+  are holes (window groups after reclaim), slots ``[lo, hi)`` hold pages, slots
+  ``[hi, width)`` are -1. ``hi`` can exceed ``ceil(n / block_tokens)`` after a rewind (pages
+  are kept for the next step's overwrite).
+
+Every group's ``[max_requests, table_width(g)]`` table lives in one flat int32 buffer,
+``tables``, at ``table_offset(plan)[g]`` with row stride ``table_width(g)`` (kernels take the
+offset and stride as data); the allocator state of every pool is one
+:class:`~flatkv_jax.block_pool.BlockPoolSet`. One flat buffer per kind keeps each operation
+a few vectorised ops whatever the number of groups.
+- the in-flight step FIFO: ``fifo_len[s]`` records from ``fifo_head[s]`` (circular, depth
+  ``D``): ``fifo_start`` (first position), ``fifo_count`` (tokens written) and ``fifo_cap``
+  (tokens still valid: ``count`` unless a rewind cut the step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flatkv_jax.block_pool import BlockPoolSet, PoolLayout, create_block_pool_set
+from flatkv_jax.errors import check_positive_int
+from flatkv_jax.plan import CachePlan
+
+_I32 = jnp.int32
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """Static placement of the flat buffers (hashable; a static field of the state pytree).
+
+    Attributes:
+      pools: where each pool lives in the allocator arrays.
+      table_offset: per group, offset of its table in ``table_buffer``.
+      table_width: per group, its row stride (``plan.table_width(g)``).
+      max_requests: request slots (table rows).
+    """
+
+    pools: PoolLayout
+    table_offset: tuple[int, ...]
+    table_width: tuple[int, ...]
+    max_requests: int
+
+
+class PoolView(NamedTuple):
+    """One pool's allocator arrays (slices of the flat :class:`BlockPoolSet`).
+
+    Attributes:
+      free_ids: ``int32[usable]``; ``free_ids[:top]`` are the free pages.
+      top: ``int32[]``.
+      refcount: ``int32[num_pages]``.
+    """
+
+    free_ids: jax.Array
+    top: jax.Array
+    refcount: jax.Array
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=[
+        "allocator", "table_buffer", "lo", "hi", "generation", "live", "pending", "extent",
+        "committed", "fifo_start", "fifo_count", "fifo_cap", "fifo_head", "fifo_len",
+    ],
+    meta_fields=["layout"],
+)  # fmt: skip
+@dataclasses.dataclass(frozen=True)
+class CacheState:
+    """Everything the coordinator knows, as arrays (see the module docstring).
+
+    Attributes:
+      allocator: the allocator of every pool (``layout.pools`` places them); per-pool views:
+        :attr:`pools`.
+      table_buffer: ``int32[sum_g R * table_width(g)]``, every group's table; per-group views:
+        :attr:`tables`.
+      lo: ``int32[G, R]``, first slot holding a page (0 for history groups).
+      hi: ``int32[G, R]``, one past the last slot holding a page.
+      generation: ``int32[R]``.
+      live: ``bool[R]``.
+      pending: ``int32[R]``, 0 or ``1 + ReleaseMode`` of a deferred release.
+      extent: ``int32[R]``, ``n``.
+      committed: ``int32[R]``, ``c``.
+      fifo_start, fifo_count, fifo_cap: ``int32[R, D]``.
+      fifo_head, fifo_len: ``int32[R]``.
+    """
+
+    allocator: BlockPoolSet
+    table_buffer: jax.Array
+    lo: jax.Array
+    hi: jax.Array
+    generation: jax.Array
+    live: jax.Array
+    pending: jax.Array
+    extent: jax.Array
+    committed: jax.Array
+    fifo_start: jax.Array
+    fifo_count: jax.Array
+    fifo_cap: jax.Array
+    fifo_head: jax.Array
+    fifo_len: jax.Array
+    layout: StateLayout
+
+    @property
+    def tables(self) -> tuple[jax.Array, ...]:
+        """Per group, its table ``int32[max_requests, table_width(g)]`` (a view of
+        ``table_buffer``; inside jit a slice, so kernels should prefer the flat buffer with
+        ``layout.table_offset[g]`` and stride ``layout.table_width[g]``)."""
+        r = self.layout.max_requests
+        return tuple(
+            self.table_buffer[o : o + r * w].reshape(r, w)
+            for o, w in zip(self.layout.table_offset, self.layout.table_width, strict=True)
+        )
+
+    @property
+    def pools(self) -> tuple[PoolView, ...]:
+        """Per pool, its allocator arrays (views of ``allocator``)."""
+        pl, a = self.layout.pools, self.allocator
+        return tuple(
+            PoolView(a.free_ids[so : so + u], a.top[g], a.refcount[po : po + n])
+            for g, (so, u, po, n) in enumerate(
+                zip(pl.stack_offset, pl.usable, pl.page_offset, pl.num_pages, strict=True)
+            )
+        )
+
+    @property
+    def max_requests(self) -> int:
+        return self.generation.shape[0]
+
+    @property
+    def fifo_depth(self) -> int:
+        return self.fifo_start.shape[1]
+
+
+def create_state(plan: CachePlan, fifo_depth: int = 2) -> CacheState:
+    """An empty cache state for ``plan``: every page free, every slot free, tables all -1.
+
+    Args:
+      plan: the cache plan.
+      fifo_depth: in-flight steps one request may have (steps extended but not retired);
+        2 serves a pipelined (async) scheduler.
+
+    Returns:
+      The state. Device bytes: the plan's table bytes plus about ``8 * num_pages`` per pool.
+    """
+    check_positive_int("fifo_depth", fifo_depth)
+    r = plan.limits.max_requests
+
+    # Every leaf is its own buffer: the ops donate the state, and XLA refuses to donate one
+    # buffer twice.
+    def zeros():
+        return jnp.zeros((r,), _I32)
+
+    def fifo():
+        return jnp.zeros((r, fifo_depth), _I32)
+
+    return CacheState(
+        allocator=create_block_pool_set(pool_layout(plan)),
+        table_buffer=jnp.full((table_size(plan),), -1, _I32),
+        lo=jnp.zeros((len(plan.groups), r), _I32),
+        hi=jnp.zeros((len(plan.groups), r), _I32),
+        generation=zeros(),
+        live=jnp.zeros((r,), jnp.bool_),
+        pending=zeros(),
+        extent=zeros(),
+        committed=zeros(),
+        fifo_start=fifo(),
+        fifo_count=fifo(),
+        fifo_cap=fifo(),
+        fifo_head=zeros(),
+        fifo_len=zeros(),
+        layout=state_layout(plan),
+    )
+
+
+@functools.cache
+def state_layout(plan: CachePlan) -> StateLayout:
+    """The static layout of ``plan``'s state."""
+    return StateLayout(
+        pools=pool_layout(plan),
+        table_offset=table_offset(plan),
+        table_width=tuple(plan.table_width(g) for g in plan.groups),
+        max_requests=plan.limits.max_requests,
+    )
+
+
+@functools.cache
+def pool_layout(plan: CachePlan) -> PoolLayout:
+    """Where every pool of ``plan`` lives in the flat allocator arrays."""
+    return PoolLayout(plan.num_pages)
+
+
+@functools.cache
+def table_offset(plan: CachePlan) -> tuple[int, ...]:
+    """Per group, the offset of its table in the flat ``tables`` buffer (row stride:
+    ``plan.table_width(g)``)."""
+    sizes = [plan.limits.max_requests * plan.table_width(g) for g in plan.groups]
+    return tuple(int(x) for x in np.cumsum([0, *sizes[:-1]]))
+
+
+def table_size(plan: CachePlan) -> int:
+    """Entries of the flat ``tables`` buffer (``plan.total_table_bytes / 4``)."""
+    return sum(plan.limits.max_requests * plan.table_width(g) for g in plan.groups)
+
+
+def table(plan: CachePlan, state: CacheState, g: int | str) -> jax.Array:
+    """Group ``g``'s table, ``int32[max_requests, table_width(g)]`` (a slice of ``tables``)."""
+    return state.tables[plan.group_index(g) if isinstance(g, str) else g]
+
+
+def state_bytes(state: CacheState) -> int:
+    """Device bytes of every array of ``state``."""
+    return sum(a.nbytes for a in jax.tree_util.tree_leaves(state))

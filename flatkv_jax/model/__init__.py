@@ -1,0 +1,51 @@
+"""A reference DeepSeek-V4-shaped model that reads and writes the flatkv_jax cache.
+
+It exists to prove the cache right: the cached step (:func:`make_step`) must give the same
+logits as the dense, cache-free recomputation (:func:`dense_forward`). See docs/model.md.
+
+- config: :class:`ModelConfig`, :func:`tiny_model`, :func:`v4_flash_model`
+- parameters: :class:`Params`, :func:`init_params`, :func:`param_shapes`
+- row codecs: :mod:`flatkv_jax.model.quant`
+- dense reference: :func:`dense_forward`
+- cached path: :class:`StepMeta`, :class:`StepBatch`, :class:`StepOutput`, :func:`step`,
+  :func:`make_step`; MTP drafts: :class:`DraftBatch`, :class:`DraftOutput`, :func:`propose`,
+  :func:`make_propose`
+"""
+
+from flatkv_jax.model import quant
+from flatkv_jax.model.cached import (
+    DraftBatch,
+    DraftOutput,
+    StepBatch,
+    StepMeta,
+    StepOutput,
+    check_plan,
+    make_propose,
+    make_step,
+    propose,
+    step,
+)
+from flatkv_jax.model.config import ModelConfig, tiny_model, v4_flash_model
+from flatkv_jax.model.dense import dense_forward
+from flatkv_jax.model.params import Params, init_params, param_shapes
+
+__all__ = [
+    "DraftBatch",
+    "DraftOutput",
+    "ModelConfig",
+    "Params",
+    "StepBatch",
+    "StepMeta",
+    "StepOutput",
+    "check_plan",
+    "dense_forward",
+    "init_params",
+    "make_propose",
+    "make_step",
+    "param_shapes",
+    "propose",
+    "quant",
+    "step",
+    "tiny_model",
+    "v4_flash_model",
+]

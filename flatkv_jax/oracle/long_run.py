@@ -1,0 +1,82 @@
+"""Long differential run from the command line (docs/oracle.md).
+
+    python -m flatkv_jax.oracle.long_run --ops 100000                  # oracle vs oracle
+    python -m flatkv_jax.oracle.long_run --ops 100000 --device         # oracle vs coordinator
+
+Traces are seeded ``--seed``, ``--seed + 1``, ...; the run stops at the first divergence
+and prints it (exit status 1), else prints the totals (exit status 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from flatkv_jax import ServingLimits, plan_with_pages
+from flatkv_jax.oracle.differential import run_trace
+from flatkv_jax.oracle.oracle import RadixOracle
+from flatkv_jax.oracle.traces import TraceConfig, random_trace
+from flatkv_jax.recipes import deepseek_v4_groups, tiny_v4
+
+#: Pools small enough that traces hit OUT_OF_PAGES and LRU eviction.
+DIFF_PAGES = {
+    "swa_kv": 24,
+    "mtp_swa_kv": 24,
+    "c4_kv": 12,
+    "c4_state": 24,
+    "c4_index_state": 24,
+    "c16_kv": 12,
+    "c16_state": 30,
+}
+
+
+def diff_plan():
+    """The plan of the differential runs: tiny V4 (7 groups, granularity 16), small dims."""
+    groups = deepseek_v4_groups(tiny_v4(head_dim=16, rope_dim=4, index_head_dim=8), verify_width=2)
+    limits = ServingLimits(max_requests=4, max_context=64, chunk_tokens=16, verify_width=2)
+    return plan_with_pages(groups, limits, DIFF_PAGES)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--ops", type=int, default=100_000, help="operations to run in total")
+    ap.add_argument("--trace-ops", type=int, default=40, help="operations per trace")
+    ap.add_argument("--seed", type=int, default=10_000, help="seed of the first trace")
+    ap.add_argument("--device", action="store_true", help="compare with the device coordinator")
+    args = ap.parse_args(argv)
+    plan = diff_plan()
+    if args.device:
+        from flatkv_jax.oracle.device_adapter import DeviceBackend
+
+        other = DeviceBackend(plan)
+        names = ("oracle", "device")
+    else:
+        other = RadixOracle(plan)
+        names = ("oracle", "oracle2")
+    oracle = RadixOracle(plan, prefix_reuse=getattr(other, "prefix_reuse", True))
+    cfg = TraceConfig(num_ops=args.trace_ops)
+    total = traces = hits = prompt = 0
+    t0 = time.perf_counter()
+    seed = args.seed
+    while total < args.ops:
+        rep = run_trace(random_trace(plan, seed, cfg), oracle, other, names=names)
+        total += rep.ops
+        traces += 1
+        hits += rep.hit_tokens
+        prompt += rep.prompt_tokens
+        if not rep.ok:
+            print(rep.divergence)
+            return 1
+        seed += 1
+    dt = time.perf_counter() - t0
+    print(
+        f"{traces} traces, {total} ops, 0 divergences, hit rate {hits / max(prompt, 1):.3f}, {dt:.1f} s ({1e3 * dt / total:.2f} ms/op)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

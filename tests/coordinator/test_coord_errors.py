@@ -1,0 +1,46 @@
+"""Every error message of the coordinator's host-side API (outside jit, bad input raises)."""
+
+from __future__ import annotations
+
+import pytest
+from coordinator_cases import PLAN
+
+from flatkv_jax.coordinator import ReleaseMode, create_state, host, ops
+from flatkv_jax.coordinator.metadata import step_metadata_fn
+
+
+@pytest.mark.parametrize(
+    ("call", "exc", "match"),
+    [
+        (lambda: host.admit_batch(PLAN, [(1, 1)] * 5), ValueError, r"rows=5 is invalid: a batch of size 4 holds at most 4 rows"),
+        (lambda: host.admit_batch(PLAN, [(1, 1)], size=0), ValueError, r"size=0 is invalid: the batch size must be an int >= 1"),
+        (lambda: host.admit_batch(PLAN, [(1, 1)], size=2.0), TypeError, r"size=2.0 is invalid"),
+        (lambda: host.admit_batch(PLAN, "ab"), TypeError, r"rows='str' is invalid: rows must be a list or tuple"),
+        (lambda: host.admit_batch(PLAN, [(1, 1, 1)]), TypeError, r"rows\[0\]=\(1, 1, 1\) is invalid: an admit row is \(prompt_len, first_chunk\)"),
+        (lambda: host.admit_batch(PLAN, [(1.5, 1)]), TypeError, r"rows\[0\].prompt_len=1.5 is invalid: it must be an int"),
+        (lambda: host.admit_batch(PLAN, [(True, 1)]), TypeError, r"rows\[0\].prompt_len=True is invalid: it must be an int"),
+        (lambda: host.admit_batch(PLAN, [(2**31, 1)]), ValueError, r"rows\[0\].prompt_len=2147483648 is invalid: it must fit int32"),
+        (lambda: host.extend_batch(PLAN, [(0, 1)]), TypeError, r"rows\[0\].handle=0 is invalid: a handle is a \(slot, generation\) tuple"),
+        (lambda: host.extend_batch(PLAN, [((0, 0),)]), TypeError, r"rows\[0\]=\(\(0, 0\),\) is invalid: a row is \(handle, count\)"),
+        (lambda: host.retire_batch(PLAN, [((0, "x"), 1)]), TypeError, r"rows\[0\].handle.generation='x' is invalid"),
+        (lambda: host.release_batch(PLAN, [((0, 0), 0)]), TypeError, r"rows\[0\].mode=0 is invalid: it must be a ReleaseMode"),
+        (lambda: host.handle_batch(PLAN, [(0, 0, 0)]), TypeError, r"handles\[0\]=\(0, 0, 0\) is invalid"),
+        (lambda: create_state(PLAN, fifo_depth=0), ValueError, r"fifo_depth=0 is invalid: it must be positive"),
+        (lambda: ops.resolve_max_count(PLAN, 17), ValueError, r"max_count=17 is invalid: a step writes at most max\(chunk_tokens, 1 \+ verify_width\) = 16"),
+        (lambda: ops.resolve_max_count(PLAN, 0), ValueError, r"max_count=0 is invalid: it must be positive"),
+        (lambda: step_metadata_fn(PLAN, None, []), TypeError, r"steps='list' is invalid: a non-empty tuple of StepResult"),
+    ],
+)  # fmt: skip
+def test_error_messages(call, exc, match):
+    with pytest.raises(exc, match=match) as info:
+        call()
+    assert "Fix: " in str(info.value)
+
+
+def test_release_batch_accepts_modes():
+    b = host.release_batch(PLAN, [((1, 2), ReleaseMode.RETRACT)])
+    assert (
+        b.mode.tolist()[:1] == [2]
+        and b.slot.tolist()[:1] == [1]
+        and b.valid.tolist() == [True, False, False, False]
+    )

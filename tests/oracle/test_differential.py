@@ -1,0 +1,220 @@
+"""The differential harness: the oracle against itself, against planted bugs, and (when
+available) against the device coordinator.
+
+Long runs (not in CI): ``python -m flatkv_jax.oracle.long_run --ops 100000 [--device]``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from oracle_cases import full_plan, hybrid_plan
+
+from flatkv_jax.oracle import RadixOracle, TraceConfig, random_trace, run_trace
+from flatkv_jax.oracle.long_run import diff_plan, main
+from flatkv_jax.oracle.oracle import HostPool
+
+PLAN = diff_plan()
+
+
+def test_traces_are_deterministic_and_exercise_everything():
+    a, b = random_trace(PLAN, 3), random_trace(PLAN, 3)
+    assert a.ops == b.ops and a.ops != random_trace(PLAN, 4).ops
+    statuses, kinds = set(), set()
+    o = RadixOracle(PLAN)
+    for seed in range(25):
+        tr = random_trace(PLAN, seed)
+        kinds |= {op.kind for op in tr.ops}
+        rep = run_trace(tr, _Recorder(o, statuses))
+        assert rep.ok, rep.divergence
+    names = {s.name for s in statuses}
+    want = {
+        "OK",
+        "IDLE",
+        "STALE",
+        "OUT_OF_PAGES",
+        "FIFO_FULL",
+        "BAD_ARG",
+        "DEFERRED",
+        "DISCARDED",
+        "NO_SLOT",
+        "NO_STEP",
+        "TOO_LONG",
+    }
+    assert want <= names, want - names
+    assert len(kinds) == 6
+
+
+class _Recorder:
+    """Wraps a backend and records every status it returns."""
+
+    def __init__(self, inner, statuses):
+        self.inner, self.statuses, self.plan = inner, statuses, inner.plan
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if name not in ("admit", "extend", "retire", "rewind", "reclaim", "release"):
+            return attr
+
+        def call(batch):
+            from flatkv_jax.status import Status
+
+            res = attr(batch)
+            self.statuses.update(Status(int(s)) for s in res.status)
+            return res
+
+        return call
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [PLAN, full_plan(pages=14, max_context=32), hybrid_plan(full=20, swa=10)],
+    ids=["v4", "full", "hybrid"],
+)
+def test_oracle_against_itself(plan):
+    a, b = RadixOracle(plan), RadixOracle(plan)
+    hits = 0
+    for seed in range(20):
+        rep = run_trace(random_trace(plan, seed), a, b, names=("a", "b"))
+        assert rep.ok, rep.divergence
+        hits += rep.hit_tokens
+    assert hits > 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    vocab=st.integers(2, 12),
+    accept_full=st.floats(0, 1),
+    p_stale=st.floats(0, 0.5),
+    p_bad=st.floats(0, 0.3),
+)
+def test_oracle_invariants_hold_on_random_traces(seed, vocab, accept_full, p_stale, p_bad):
+    cfg = TraceConfig(
+        num_ops=30, vocab=vocab, accept_full=accept_full, p_stale=p_stale, p_bad=p_bad
+    )
+    rep = run_trace(random_trace(PLAN, seed, cfg), RadixOracle(PLAN))
+    assert rep.ok, rep.divergence
+
+
+# --- planted bugs: a harness that cannot catch them is a defect ---------------------------------
+class _ShortTrailingRun(RadixOracle):
+    """Off by one: a window group's trailing run is one block short."""
+
+    @staticmethod
+    def _run_start(g, h):
+        return RadixOracle._run_start(g, h) + (1 if g.is_window and h >= g.window else 0)
+
+
+class _PublishesDrafts(RadixOracle):
+    """Publishes the blocks completed by the extent (rejected drafts included)."""
+
+    def _publish(self, req):
+        c = req.c
+        req.c = req.n
+        try:
+            super()._publish(req)
+        finally:
+            req.c = c
+
+
+class _NoZeroing(RadixOracle):
+    """Hands out recycled pages without zeroing them."""
+
+    def _take(self, gi, pinned):
+        pool = self.pools[gi]
+        saved = pool._zero
+        pool._zero = lambda page: None
+        try:
+            return super()._take(gi, pinned)
+        finally:
+            pool._zero = saved
+
+
+def _first_divergence(bug, seeds=range(60)):
+    for seed in seeds:
+        rep = run_trace(
+            random_trace(PLAN, seed), RadixOracle(PLAN), bug(PLAN), names=("oracle", "bug")
+        )
+        if not rep.ok:
+            return rep.divergence
+    return None
+
+
+@pytest.mark.parametrize(
+    "bug, where",
+    [
+        (_ShortTrailingRun, ""),
+        (_PublishesDrafts, ""),
+        (_NoZeroing, "not zero|content of"),
+        (lambda plan: RadixOracle(plan, tail_first=False), ""),
+    ],
+    ids=["short-trailing-run", "publishes-drafts", "no-zeroing", "lru-head-first"],
+)
+def test_harness_catches_planted_bugs(bug, where):
+    div = _first_divergence(bug)
+    assert div is not None, "the harness missed a planted bug"
+    assert any(w in div.what for w in where.split("|"))
+    text = str(div)
+    assert f"op #{div.op_index}" in text and "oracle" in text
+
+
+def test_divergence_report_is_readable():
+    div = _first_divergence(_ShortTrailingRun)
+    lines = str(div).splitlines()
+    assert lines[0].startswith("divergence at op #") and "seed" in lines[0]
+    assert ": oracle=[" in lines[1] and "bug=[" in lines[1] and "preceding ops:" in lines[2]
+
+
+def test_harness_checks_contents_against_the_prefix_pattern():
+    """A backend that serves a wrong page is caught even if it agrees with nobody."""
+
+    class Scrambled(RadixOracle):
+        def view(self):
+            v = super().view()
+            for per_field in v.rows[2]:
+                for a in per_field:
+                    a[:, 0] = a[:, 0][::-1]  # slot order of row 0 reversed: wrong content
+            return v
+
+    bad = None
+    for seed in range(20):
+        rep = run_trace(random_trace(PLAN, seed), Scrambled(PLAN))
+        if not rep.ok:
+            bad = rep.divergence
+            break
+    assert bad is not None and "pattern of its prefix" in bad.what
+
+
+def test_long_run_command(capsys):
+    assert main(["--ops", "60", "--trace-ops", "30"]) == 0
+    out = capsys.readouterr().out
+    assert "2 traces, 60 ops, 0 divergences" in out
+
+
+def test_host_pool_counts_add_up():
+    pool = HostPool(PLAN, 0)
+    free, in_use, cached = pool.counts()
+    assert (free, in_use, cached) == (PLAN.usable_pages(0), 0, 0)
+    assert np.all(pool.refcount == 0)
+
+
+# --- the device coordinator --------------------------------------------------------------------
+DEVICE_TRACES = 40
+
+
+def test_device_coordinator_matches_the_oracle():
+    adapter = pytest.importorskip("flatkv_jax.oracle.device_adapter")
+    dev = adapter.DeviceBackend(PLAN)
+    oracle = RadixOracle(PLAN, prefix_reuse=dev.prefix_reuse)
+    cfg = TraceConfig(num_ops=25)
+    ops = 0
+    for seed in range(DEVICE_TRACES):
+        rep = run_trace(
+            random_trace(PLAN, 5000 + seed, cfg), oracle, dev, names=("oracle", "device")
+        )
+        assert rep.ok, rep.divergence
+        ops += rep.ops
+    assert ops == DEVICE_TRACES * 25
