@@ -10,6 +10,7 @@ Run::
 
     python benchmarks/coordinator.py                 # B = 32, 128, 256, 512; 16k and 1M pages
     python benchmarks/coordinator.py --batch 256 --steps 400
+    python benchmarks/coordinator.py --no-prefix     # no tokens: nothing published
 
 Prints a table of microseconds per step and per request-step (synchronous: each step is
 waited for, so the jit dispatch is included). The pool-size configurations run interleaved in
@@ -75,17 +76,21 @@ def compile_step(plan):
     return jax.jit(functools.partial(decode_step, plan), donate_argnums=0)
 
 
-def setup(plan):
+def setup(plan, prefix: bool = True):
     """Admits max_requests requests with a PROMPT-token prompt (in waves, reclaiming as it goes)
-    and retires their prefill, so every slot is running decode."""
+    and retires their prefill, so every slot is running decode. With ``prefix`` the prompts
+    (distinct per request) and the decode tokens are passed, so every step publishes the
+    blocks it completes (the prefix-reuse path); without, nothing is published."""
     b = plan.limits.max_requests
+    rng = np.random.default_rng(0)
     state = create_state(plan)
     wave = 32
     hs = []
     for lo in range(0, b, wave):
         k = min(wave, b - lo)
+        toks = rng.integers(0, 1 << 20, (k, PROMPT)).tolist() if prefix else None
         state, res = ops.admit(
-            plan, state, host.admit_batch(plan, [(PROMPT, PROMPT)] * k, size=wave)
+            plan, state, host.admit_batch(plan, [(PROMPT, PROMPT)] * k, size=wave, tokens=toks)
         )
         got = host.handles(res, k)
         assert all(h is not None for h in got), host.statuses(res, k)
@@ -99,7 +104,8 @@ def setup(plan):
     valid = jnp.ones((b,), jnp.bool_)
     dec = plan.limits.decode_tokens
     handles_b = HandleBatch(valid, slot, gen)
-    extend_b = ExtendBatch(valid, slot, gen, jnp.full((b,), dec, jnp.int32))
+    step_tokens = jnp.asarray(rng.integers(0, 1 << 20, (b, dec)), jnp.int32) if prefix else None
+    extend_b = ExtendBatch(valid, slot, gen, jnp.full((b,), dec, jnp.int32), step_tokens)
     # Step 0 has nothing to retire yet: extend once outside the timed loop.
     state, res = ops.extend(plan, state, extend_b, max_count=dec)
     assert (np.asarray(res.status) == Status.OK).all()
@@ -112,9 +118,9 @@ def setup(plan):
 class Runner:
     """One configuration: a plan, its running state and its compiled step."""
 
-    def __init__(self, batch: int, pages: int, max_context: int):
+    def __init__(self, batch: int, pages: int, max_context: int, prefix: bool = True):
         self.plan = make_plan(batch, pages, max_context)
-        self.state, self.handles_b, self.extend_b, self.retire_bs = setup(self.plan)
+        self.state, self.handles_b, self.extend_b, self.retire_bs = setup(self.plan, prefix)
         self.step = compile_step(self.plan)
         self.i = 0
         self.run(5)  # compile and warm up
@@ -136,11 +142,16 @@ class Runner:
 
 
 def bench(
-    batch: int, pages: list[int], steps: int, rounds: int, max_context: int = MAX_CONTEXT
+    batch: int,
+    pages: list[int],
+    steps: int,
+    rounds: int,
+    max_context: int = MAX_CONTEXT,
+    prefix: bool = True,
 ) -> list[float]:
     """Per pool size, the best round's median step time (seconds). The configurations run
     interleaved, round by round, so they see the same machine noise."""
-    runners = [Runner(batch, p, max_context) for p in pages]
+    runners = [Runner(batch, p, max_context, prefix) for p in pages]
     best = [float("inf")] * len(pages)
     for _ in range(rounds):
         for k, r in enumerate(runners):
@@ -162,6 +173,11 @@ def main():
         default=6,
         help="interleaved rounds; the best round's median is reported",
     )
+    ap.add_argument(
+        "--no-prefix",
+        action="store_true",
+        help="pass no tokens (nothing is matched or published; the pre-issue-5 step)",
+    )
     args = ap.parse_args()
     print(
         f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}"
@@ -177,7 +193,12 @@ def main():
         header += f" {'ratio':>6}"
     print(header)
     for b in args.batch:
-        res = [t * 1e6 for t in bench(b, args.pages, args.steps, args.rounds, args.max_context)]
+        res = [
+            t * 1e6
+            for t in bench(
+                b, args.pages, args.steps, args.rounds, args.max_context, not args.no_prefix
+            )
+        ]
         line = f"{b:>5} " + " ".join(f"{t:>16,.0f} {t / b:>12.2f}" for t in res)
         if len(res) == 2:
             line += f" {res[1] / res[0]:>6.2f}"

@@ -10,14 +10,14 @@ the static shapes of its arguments — and never scans a pool: a pool of 1M page
 per call as one of 16k pages (the arrays are donated, so XLA updates them in place).
 
 Page states (docs/semantics.md): **free** (refcount 0, on its pool's free stack), **in use**
-(referenced by at least one table entry) and **cached-only** (held only by the prefix index,
-issue 5). ``refcount(page) == #table references + #index references``. Page 0 (null) and the
+(referenced by at least one table entry) and **cached-only** (held only by the prefix index). ``refcount(page) == #table references + #index references``. Page 0 (null) and the
 last page (scratch) of every pool are never on a stack and never handed out.
 
-Allocation order: pages are popped from the top of the pool's free stack. Once the prefix
-index exists, a pool that is short of free pages would next evict cached-only pages (LRU);
-that place is :func:`evictable_pages` (it returns 0 for now) and the comment in
-:func:`acquire`.
+Allocation order: pages are popped from the top of the pool's free stack. A pool that is
+short of free pages evicts cached-only pages (LRU, :mod:`flatkv_jax.prefix.lru`): the
+coordinator decides the served rows against :func:`evictable_pages` with :func:`fit`, evicts
+the shortfall, drops the evicted pages' index reference with :func:`decref` (which pushes them
+onto the stack) and then pops with :func:`acquire`.
 """
 
 from __future__ import annotations
@@ -107,15 +107,16 @@ def create_block_pool_set(layout: PoolLayout) -> BlockPoolSet:
     )
 
 
-def evictable_pages(pools: BlockPoolSet, layout: PoolLayout) -> jax.Array:
-    """Per pool, cached-only pages the allocator could evict when its free stack runs short.
+def evictable_pages(top: jax.Array, cached: jax.Array, pinned_cached: jax.Array) -> jax.Array:
+    """Per pool, the supply of the in-order allocation rule: free + unpinned cached-only pages.
 
-    Eviction hook for the prefix index (issue 5): once cached-only pages exist, acquire counts
-    ``top + evictable`` as available and evicts LRU cached-only pages after popping the whole
-    free stack. Until then there is nothing to evict.
+    Args:
+      top: ``int32[G]``, free pages per pool.
+      cached: ``int32[G]``, cached-only pages per pool (``CachedLRU.count``).
+      pinned_cached: ``int32[G]``, cached-only pages matched by a row of the current admit
+        (pinned: not evictable during the call).
     """
-    del pools
-    return jnp.zeros((layout.num_pools,), _I32)
+    return top + cached - pinned_cached
 
 
 @jax.tree_util.register_dataclass
@@ -138,31 +139,23 @@ class Acquired:
     pages: jax.Array
 
 
-def acquire(
-    pools: BlockPoolSet, layout: PoolLayout, needs: jax.Array, want: jax.Array, k: int
-) -> tuple[BlockPoolSet, Acquired]:
-    """Atomic multi-pool acquire for a batch of requests, served in batch order.
-
-    Rows are served in order; the first row whose needs do not all fit (given the rows served
-    before it) and every later row are not served, and no pool changes for them. Pages taken
-    get refcount 1.
+def fit(
+    needs: jax.Array, want: jax.Array, avail: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Which rows of a batch an in-order allocation serves (reads nothing, changes nothing).
 
     Args:
-      pools: the allocator (donated by the caller's jit).
-      layout: its static layout.
-      needs: ``int32[B, G]``, pages each row needs in each pool (``0 <= needs <= k``).
-      want: ``bool[B]``, rows that ask for pages (others are ignored and not served).
-      k: static bound on ``needs`` (the last axis of ``pages``).
+      needs: ``int32[B, G]``, pages each row needs in each pool.
+      want: ``bool[B]``, rows that ask for pages.
+      avail: ``int32[G]``, the supply per pool (free, plus evictable cached-only pages).
 
     Returns:
-      The new allocator and an :class:`Acquired`. Cost: O(B * G * k), independent of pool size.
+      ``(served bool[B], short_group int32[B], short_pages int32[B], total int32[G])``:
+      see :class:`Acquired`; ``total`` is the pages the served rows take per pool.
     """
     b = needs.shape[0]
     needs = jnp.where(want[:, None], needs, 0)
     incl = jnp.cumsum(needs, axis=0, dtype=_I32)  # [B, G]
-    excl = incl - needs
-    # Issue 5: avail = top + evictable; pages beyond the stack come from LRU eviction.
-    avail = pools.top + evictable_pages(pools, layout)
     fits_g = incl <= avail[None, :]
     # incl is monotone in the row index, so "fits" is too: the rows served are a prefix of the
     # wanting rows (the FIFO rule of docs/semantics.md) without any sequential scan.
@@ -173,7 +166,45 @@ def acquire(
     is_first = jnp.any(failed) & (jnp.arange(b, dtype=_I32) == first)
     short_group = jnp.where(is_first, g_short, -1)
     short_pages = jnp.where(is_first, incl[first, g_short] - avail[g_short], 0)
+    total = jnp.sum(jnp.where(served[:, None], needs, 0), axis=0, dtype=_I32)
+    return served, short_group, short_pages, total
 
+
+def acquire(
+    pools: BlockPoolSet,
+    layout: PoolLayout,
+    needs: jax.Array,
+    want: jax.Array,
+    k: int,
+    avail: jax.Array | None = None,
+) -> tuple[BlockPoolSet, Acquired]:
+    """Atomic multi-pool acquire for a batch of requests, served in batch order.
+
+    Rows are served in order; the first row whose needs do not all fit (given the rows served
+    before it) and every later row are not served, and no pool changes for them. Pages taken
+    get refcount 1 and are popped from the free stacks.
+
+    With the prefix index the caller decides the served rows against the supply
+    (:func:`evictable_pages`) with :func:`fit`, evicts what the free stacks lack and pushes the
+    evicted pages onto the stacks (:func:`decref` of their index reference), then calls this
+    with ``want = served``: every served row then fits the stacks alone.
+
+    Args:
+      pools: the allocator (donated by the caller's jit).
+      layout: its static layout.
+      needs: ``int32[B, G]``, pages each row needs in each pool (``0 <= needs <= k``).
+      want: ``bool[B]``, rows that ask for pages (others are ignored and not served).
+      k: static bound on ``needs`` (the last axis of ``pages``).
+      avail: ``int32[G]``, supply for the FIFO rule (default: the free stacks).
+
+    Returns:
+      The new allocator and an :class:`Acquired`. Cost: O(B * G * k), independent of pool size.
+    """
+    needs = jnp.where(want[:, None], needs, 0)
+    excl = jnp.cumsum(needs, axis=0, dtype=_I32) - needs
+    served, short_group, short_pages, total = fit(
+        needs, want, pools.top if avail is None else avail
+    )
     need = jnp.where(served[:, None], needs, 0)  # [B, G]
     j = jnp.arange(k, dtype=_I32)[None, None, :]
     take = j < need[:, :, None]  # [B, G, K]
@@ -183,7 +214,7 @@ def acquire(
     page_off = jnp.asarray(layout.page_offset, _I32)[None, :, None]
     flat = jnp.where(take, page_off + pages, layout.total_pages)
     refcount = pools.refcount.at[flat].set(1, mode="drop")
-    top = pools.top - jnp.sum(need, axis=0, dtype=_I32)
+    top = pools.top - total
     return BlockPoolSet(pools.free_ids, top, refcount), Acquired(
         served, short_group, short_pages, pages
     )
@@ -205,24 +236,34 @@ def decref(
 ) -> tuple[BlockPoolSet, jax.Array]:
     """Drops one reference per listed page and pushes pages that reach 0 onto their free stack.
 
-    Listings must be grouped by pool (``group`` non-decreasing, as the coordinator's sweeps
-    produce them). When every listed page holds a single reference (no prefix sharing) each
-    page is listed once and the call is a gather, a scatter and two prefix scans, O(T). A page
-    with several references may be listed several times (shared by several requests of the
-    batch): it loses one reference per listing and is pushed once; that path sorts the listing
-    (O(T log T), no pool-sized scratch). Either way the refcounts are read once, then written
-    once with values that depend on the read — a write -> read -> write -> read chain, or a
-    read used only after the write, would make XLA copy the whole array.
+    Listings must be grouped by pool (``group`` non-decreasing within each pool's run, as the
+    coordinator's sweeps produce them). When every listed page holds a single reference (no
+    prefix sharing) each page is listed once and the call is a gather, a scatter and two prefix
+    scans, O(T). A page with several references may be listed several times (shared by several
+    requests of the batch): it loses one reference per listing and is pushed once; that path
+    sorts the listing (O(T log T), no pool-sized scratch). Either way the refcounts are read
+    once, then written once with values that depend on the read — a write -> read -> write ->
+    read chain, or a read used only after the write, would make XLA copy the whole array.
 
     Args:
       pools: the allocator (donated by the caller's jit).
       layout: its static layout.
-      group: ``int32[T]``, the pool of each listing, non-decreasing.
+      group: ``int32[T]``, the pool of each listing.
       pages: ``int32[T]``, page ids within that pool; ids < 1 skip.
 
     Returns:
       The new allocator and ``int32[G]``, pages freed per pool.
     """
+    pools, freed, _ = decref_left(pools, layout, group, pages)
+    return pools, freed
+
+
+def decref_left(
+    pools: BlockPoolSet, layout: PoolLayout, group: jax.Array, pages: jax.Array
+) -> tuple[BlockPoolSet, jax.Array, jax.Array]:
+    """:func:`decref`, also returning ``int32[T]``: each listed page's references left after
+    the call (-1 for skipped listings) — a page left with only the prefix index's reference
+    became cached-only. Returned rather than read back, which would copy the refcounts."""
     flat = _flat_ids(layout, group, pages).reshape(-1)
     group = group.reshape(-1)
     old = pools.refcount[jnp.clip(flat, 0, layout.total_pages - 1)]
@@ -238,16 +279,17 @@ def _decref_unique(pools: BlockPoolSet, layout: PoolLayout, flat, group, old):
     valid = flat >= 0
     new = old - 1
     rc = pools.refcount.at[jnp.where(valid, flat, layout.total_pages)].set(new, mode="drop")
-    return _push(pools, layout, rc, flat, group, valid & (new == 0))
+    pools, freed = _push(pools, layout, rc, flat, group, valid & (new == 0))
+    return pools, freed, jnp.where(valid, new, -1)
 
 
 def _decref_sorted(pools: BlockPoolSet, layout: PoolLayout, flat, group):
     t = flat.shape[0]
     big = jnp.iinfo(_I32).max
-    # Sorting by flat id keeps the listings grouped by pool (pool offsets ascend).
-    ps, gs = jax.lax.sort((jnp.where(flat >= 0, flat, big), group), num_keys=1)
-    valid = ps != big
     idx = jnp.arange(t, dtype=_I32)
+    # Sorting by flat id keeps the listings grouped by pool (pool offsets ascend).
+    ps, gs, orig = jax.lax.sort((jnp.where(flat >= 0, flat, big), group, idx), num_keys=1)
+    valid = ps != big
     first = jnp.concatenate([jnp.ones((1,), jnp.bool_), ps[1:] != ps[:-1]])
     # Listings of each page: from its first listing to the next page's first listing.
     next_first = jax.lax.cummin(jnp.where(first, idx, t), axis=0, reverse=True)
@@ -255,7 +297,10 @@ def _decref_sorted(pools: BlockPoolSet, layout: PoolLayout, flat, group):
     new = pools.refcount[jnp.clip(ps, 0, layout.total_pages - 1)] - (next_first - idx)
     lead = valid & first
     rc = pools.refcount.at[jnp.where(lead, ps, layout.total_pages)].set(new, mode="drop")
-    return _push(pools, layout, rc, ps, gs, lead & (new == 0))
+    pools, freed = _push(pools, layout, rc, ps, gs, lead & (new == 0))
+    run_lead = jax.lax.cummax(jnp.where(first, idx, 0), axis=0)
+    left = jnp.where(valid, new[run_lead], -1)
+    return pools, freed, jnp.zeros((t,), _I32).at[orig].set(left)
 
 
 def _push(pools: BlockPoolSet, layout: PoolLayout, rc, flat, group, win):

@@ -68,7 +68,10 @@ def check_state(plan: CachePlan, state: CacheState, *, shared_ok: bool = False) 
     """Raises :class:`StateInvariantError` if ``state`` breaks an invariant.
 
     Checks, per pool: the free stack holds distinct usable pages; free + in use + cached-only
-    == usable; refcount == table references (no prefix index yet: no index references); no
+    == usable; refcount == table references + index references; the index holds
+    ``index.count`` distinct pages, each at the slot ``slot_of_page`` says; the LRU's cached
+    pages are exactly the indexed pages without table references, and ``lru.count`` counts
+    them; no pin is left set; no
     table entry points at a free page, the null page or the scratch page; no page is in two
     requests' tables unless ``shared_ok``. Per request slot: a free slot's rows are all -1
     and its counters are 0; a live slot has ``c <= n``, a FIFO no deeper than ``fifo_depth``
@@ -93,9 +96,32 @@ def check_state(plan: CachePlan, state: CacheState, *, shared_ok: bool = False) 
             bad(f"{g.name}: free stack holds duplicates or reserved pages")
         if rc[0] or rc[-1]:
             bad(f"{g.name}: the null or scratch page has a refcount")
-        if not np.array_equal(rc, ref):
-            p = int(np.argmax(rc != ref))
-            bad(f"{g.name}: page {p} refcount {rc[p]} != table references {ref[p]}")
+        ix, lr = state.indexes[gi], state.lrus[gi]
+        ipages = np.asarray(ix.pages).reshape(-1)
+        sop = np.asarray(ix.slot_of_page)
+        indexed = np.zeros(plan.pages(g), np.int64)
+        np.add.at(indexed, ipages[ipages > 0], 1)
+        if indexed.max(initial=0) > 1 or int(ix.count) != int(np.count_nonzero(indexed)):
+            bad(f"{g.name}: the index holds a page twice or its count is wrong")
+        if np.any((sop >= 0) != (indexed > 0)) or np.any(
+            ipages[sop[indexed > 0]] != np.flatnonzero(indexed > 0)
+        ):
+            bad(f"{g.name}: slot_of_page disagrees with the index entries")
+        if indexed[0] or indexed[-1]:
+            bad(f"{g.name}: the index holds the null or scratch page")
+        if not np.array_equal(rc, ref + indexed):
+            p = int(np.argmax(rc != ref + indexed))
+            bad(
+                f"{g.name}: page {p} refcount {rc[p]} != table references {ref[p]}"
+                f" + index references {indexed[p]}"
+            )
+        cached = np.asarray(lr.cached)
+        if not np.array_equal(cached, (indexed > 0) & (ref == 0)):
+            bad(f"{g.name}: the LRU's cached pages are not the indexed pages without tables")
+        if int(lr.count) != int(np.count_nonzero(cached)):
+            bad(f"{g.name}: lru.count {int(lr.count)} != cached pages")
+        if np.any(np.asarray(state.pinned[gi])):
+            bad(f"{g.name}: a pin was left set after the call")
         if np.any(rc[free] != 0):
             bad(f"{g.name}: a free page has a refcount (a live table points at a free page)")
         held = int(np.count_nonzero(rc[1:-1]))

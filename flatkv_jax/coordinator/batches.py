@@ -36,12 +36,19 @@ class AdmitBatch:
       prompt_len: ``int32[B]``, prompt tokens (>= 1, <= max_context).
       first_chunk: ``int32[B]``, prompt tokens this admit allocates and schedules as its first
         step (0 <= first_chunk <= prompt_len, <= the op's ``max_count``). With a prefix hit
-        ``h`` (issue 5) the chunk is clipped to ``prompt_len - h``.
+        ``h`` the chunk is clipped to ``prompt_len - h``.
+      tokens: ``int32[B, L]`` or None: the prompts, padded (any static ``L``). With tokens the
+        admit matches the prefix index and the request publishes its committed blocks; without
+        (None) the hit is 0 and the request never publishes.
+      namespace: ``int32[B]`` or None (= 0): the namespace's low word; requests in different
+        namespaces never share a block.
     """
 
     valid: jax.Array
     prompt_len: jax.Array
     first_chunk: jax.Array
+    tokens: jax.Array | None = None
+    namespace: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -54,12 +61,16 @@ class ExtendBatch:
       slot, generation: ``int32[B]``, the handle.
       count: ``int32[B]``, new tokens (1 <= count <= the op's ``max_count``): 1 for decode,
         ``1 + verify_width`` for a speculative verify step, a chunk for chunked prefill.
+      tokens: ``int32[B, T]`` or None: the step's token ids (positions ``[n, n + count)``;
+        columns past ``count`` ignored; any static ``T``). They are kept with the in-flight
+        step and published when it retires. None: the request stops publishing.
     """
 
     valid: jax.Array
     slot: jax.Array
     generation: jax.Array
     count: jax.Array
+    tokens: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass

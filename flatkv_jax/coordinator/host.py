@@ -28,6 +28,7 @@ from flatkv_jax.coordinator.batches import (
     RetireBatch,
     RewindBatch,
 )
+from flatkv_jax.coordinator.state import step_token_width
 from flatkv_jax.errors import fail
 from flatkv_jax.plan import CachePlan
 from flatkv_jax.status import Status
@@ -97,10 +98,46 @@ def _columns(
     return jnp.asarray(valid), cols
 
 
+def _token_rows(
+    plan: CachePlan, what: str, tokens: Sequence, n: int, size: int, width: int
+) -> jax.Array:
+    if not isinstance(tokens, Sequence) or isinstance(tokens, str) or len(tokens) != n:
+        fail(
+            what,
+            type(tokens).__name__ if not isinstance(tokens, Sequence) else f"{len(tokens)} rows",
+            f"one token list per row ({n} rows)",
+            f"pass {what} as a list of {n} lists of ints",
+            exc=TypeError if not isinstance(tokens, Sequence) else ValueError,
+        )
+    del plan
+    out = np.zeros((size, width), np.int32)
+    for i, row in enumerate(tokens):
+        vals = [_int(f"{what}[{i}][{j}]", t) for j, t in enumerate(row)]
+        if len(vals) > width:
+            fail(
+                f"{what}[{i}]",
+                f"{len(vals)} tokens",
+                f"at most {width} tokens fit a row",
+                "pass fewer tokens",
+            )
+        out[i, : len(vals)] = vals
+    return jnp.asarray(out)
+
+
 def admit_batch(
-    plan: CachePlan, rows: Sequence[tuple[int, int]], size: int | None = None
+    plan: CachePlan,
+    rows: Sequence[tuple[int, int]],
+    size: int | None = None,
+    *,
+    tokens: Sequence[Sequence[int]] | None = None,
+    namespace: Sequence[int] | None = None,
 ) -> AdmitBatch:
-    """``rows``: ``(prompt_len, first_chunk)`` per new request."""
+    """``rows``: ``(prompt_len, first_chunk)`` per new request.
+
+    ``tokens`` (one list per row, at least ``prompt_len`` long; padded to ``max_context``)
+    turns prefix reuse on for the batch; ``namespace`` (one int per row, default 0) goes
+    with it.
+    """
     valid, (pl, fc) = _columns(plan, rows, size, 2)
     for i, row in enumerate(rows):
         if not isinstance(row, tuple) or len(row) != 2:
@@ -112,7 +149,38 @@ def admit_batch(
                 exc=TypeError,
             )
         pl[i], fc[i] = _int(f"rows[{i}].prompt_len", row[0]), _int(f"rows[{i}].first_chunk", row[1])
-    return AdmitBatch(valid, jnp.asarray(pl), jnp.asarray(fc))
+    if tokens is None:
+        if namespace is not None:
+            fail(
+                "namespace",
+                namespace,
+                "a namespace only matters with tokens",
+                "pass tokens= too, or drop namespace=",
+            )
+        return AdmitBatch(valid, jnp.asarray(pl), jnp.asarray(fc))
+    b = valid.shape[0]
+    toks = _token_rows(plan, "tokens", tokens, len(rows), b, plan.limits.max_context)
+    for i, row in enumerate(tokens):
+        if len(row) < pl[i]:
+            fail(
+                f"tokens[{i}]",
+                f"{len(row)} tokens",
+                f"the prompt has prompt_len = {pl[i]} tokens",
+                "pass the whole prompt",
+            )
+    ns = np.zeros((b,), np.int32)
+    if namespace is not None:
+        if not isinstance(namespace, Sequence) or len(namespace) != len(rows):
+            fail(
+                "namespace",
+                namespace,
+                f"one int per row ({len(rows)} rows)",
+                "pass a list of ints",
+                exc=TypeError if not isinstance(namespace, Sequence) else ValueError,
+            )
+        for i, x in enumerate(namespace):
+            ns[i] = _int(f"namespace[{i}]", x)
+    return AdmitBatch(valid, jnp.asarray(pl), jnp.asarray(fc), toks, jnp.asarray(ns))
 
 
 def _handle_rows(plan: CachePlan, rows: Sequence, size: int | None, what: str):
@@ -132,10 +200,19 @@ def _handle_rows(plan: CachePlan, rows: Sequence, size: int | None, what: str):
 
 
 def extend_batch(
-    plan: CachePlan, rows: Sequence[tuple[Handle, int]], size: int | None = None
+    plan: CachePlan,
+    rows: Sequence[tuple[Handle, int]],
+    size: int | None = None,
+    *,
+    tokens: Sequence[Sequence[int]] | None = None,
 ) -> ExtendBatch:
-    """``rows``: ``(handle, count)`` per running request."""
-    return ExtendBatch(*_handle_rows(plan, rows, size, "count"))
+    """``rows``: ``(handle, count)`` per running request; ``tokens``: optional, the step's
+    token ids per row (its ``count`` tokens; needed for the request to keep publishing)."""
+    valid, slot, gen, count = _handle_rows(plan, rows, size, "count")
+    if tokens is None:
+        return ExtendBatch(valid, slot, gen, count)
+    toks = _token_rows(plan, "tokens", tokens, len(rows), valid.shape[0], step_token_width(plan))
+    return ExtendBatch(valid, slot, gen, count, toks)
 
 
 def retire_batch(

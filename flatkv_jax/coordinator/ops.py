@@ -27,7 +27,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from flatkv_jax.block_pool import Acquired, BlockPoolSet, acquire, decref
+from flatkv_jax.block_pool import (
+    Acquired,
+    acquire,
+    decref,
+    decref_left,
+    evictable_pages,
+    fit,
+    incref,
+)
 from flatkv_jax.coordinator.batches import (
     AdmitBatch,
     ExtendBatch,
@@ -39,9 +47,20 @@ from flatkv_jax.coordinator.batches import (
 )
 from flatkv_jax.coordinator.results import ReclaimResult, RetireResult, StatusResult, StepResult
 from flatkv_jax.coordinator.segments import segment_rows
-from flatkv_jax.coordinator.state import CacheState, pool_layout, table_offset, table_size
+from flatkv_jax.coordinator.state import (
+    CacheState,
+    pool_layout,
+    step_token_width,
+    table_offset,
+    table_size,
+)
 from flatkv_jax.errors import check_positive_int, fail
 from flatkv_jax.plan import CachePlan
+from flatkv_jax.prefix import index as index_lib
+from flatkv_jax.prefix import keys as keys_lib
+from flatkv_jax.prefix import lru as lru_lib
+from flatkv_jax.prefix._batch import first_occurrence
+from flatkv_jax.prefix.match import MatchLayout, match_prompts
 from flatkv_jax.status import Status
 
 _I32 = jnp.int32
@@ -158,16 +177,42 @@ def _grow(
     want: jax.Array,
     new_end: jax.Array,
     k: int,
+    hi: jax.Array | None = None,
+    pinned_cached: jax.Array | None = None,
 ) -> tuple[CacheState, jax.Array, Acquired]:
     """Allocates every block ``[hi, ceil(new_end / B))`` of every group, atomically, in order.
 
-    Returns the state with tables and ``hi`` updated for the served rows, the served mask and
-    the allocator's :class:`~flatkv_jax.block_pool.Acquired` (pages, shortage).
+    Supply per pool is free + unpinned cached-only pages; the served rows take the free stack
+    first and only then evict LRU cached-only pages (pages matched by the current admission
+    are pinned in ``state.pinned``). Returns the state with tables and ``hi`` updated for the
+    served rows, the served mask and the :class:`~flatkv_jax.block_pool.Acquired` (pages,
+    shortage).
+
+    Args:
+      hi: ``int32[B, G]`` first slot to allocate (default: the slot's ``hi``; admit passes
+        the hit's ``h / B``).
+      pinned_cached: ``int32[G]`` cached-only pages pinned by this call (default 0).
     """
     geo = geometry(plan)
-    hi = state.hi[:, s].T  # [B, G]
+    layout = pool_layout(plan)
+    n_g = len(plan.groups)
+    hi = state.hi[:, s].T if hi is None else hi  # [B, G]
     needs = jnp.maximum(0, _ceil_div(new_end[:, None], geo.a("block_tokens")[None, :]) - hi)
-    pools, got = acquire(state.allocator, pool_layout(plan), needs, want, k)
+    needs = jnp.where(want[:, None], needs, 0)
+    cached = jnp.stack([lr.count for lr in state.lrus])
+    pc = jnp.zeros((n_g,), _I32) if pinned_cached is None else pinned_cached
+    top = state.allocator.top
+    served, short_group, short_pages, total = fit(needs, want, evictable_pages(top, cached, pc))
+    short = jnp.maximum(total - top, 0)
+    # Eviction is rare (only when a free stack runs dry): skip its loops otherwise.
+    state = jax.lax.cond(
+        jnp.any(short > 0),
+        lambda st: _evict(plan, st, short, needs.shape[0] * k),
+        lambda st: st,
+        state,
+    )
+    pools, got = acquire(state.allocator, layout, needs, served, k)
+    got = Acquired(served, short_group, short_pages, got.pages)
     take = got.pages >= 0  # [B, G, K]
     j = jnp.arange(k, dtype=_I32)[None, None, :]
     row_base = geo.a("table_offset")[None, :] + s[:, None] * geo.a("width")[None, :]
@@ -180,6 +225,22 @@ def _grow(
     return _replace(state, allocator=pools, table_buffer=tables, hi=hi_arr), got.served, got
 
 
+def _evict(plan: CachePlan, state: CacheState, n: jax.Array, max_pages: int) -> CacheState:
+    """Evicts ``n[g]`` LRU cached-only (unpinned) pages of every pool: they leave the index,
+    lose its reference and go onto the free stack (the caller pops them right away)."""
+    lrus, indexes, out = [], [], []
+    for g in range(len(plan.groups)):
+        lr, ix, pages, _ = lru_lib.evict(
+            state.lrus[g], state.indexes[g], n[g], max_pages=max_pages, pinned=state.pinned[g]
+        )
+        lrus.append(lr)
+        indexes.append(ix)
+        out.append(pages)
+    group = jnp.repeat(jnp.arange(len(plan.groups), dtype=_I32), max_pages)
+    pools, _ = decref(state.allocator, pool_layout(plan), group, jnp.concatenate(out))
+    return _replace(state, allocator=pools, lrus=tuple(lrus), indexes=tuple(indexes))
+
+
 def _zero_lists(got: Acquired) -> jax.Array:
     """``[G, B * K]``: every page handed out, per pool, padded with -1."""
     b, g, k = got.pages.shape
@@ -188,19 +249,23 @@ def _zero_lists(got: Acquired) -> jax.Array:
 
 def _sweep(
     plan: CachePlan,
-    pools: BlockPoolSet,
-    tables: jax.Array,
+    state: CacheState,
     s: jax.Array,
     mask: jax.Array,
     start: jax.Array,
     end: jax.Array,
     fill: int,
     chunk: int,
-) -> tuple[BlockPoolSet, jax.Array]:
+) -> CacheState:
     """For every group ``g`` and row ``i`` of ``mask``: sets table entries
     ``[start[g, i], end[g, i])`` of request ``s[i]`` to ``fill`` and decrefs the pages they
-    held. Cost O(entries changed), in chunks of ``chunk`` entries across all groups."""
+    held: a page falling to 0 is freed, a page left with only the index's reference becomes
+    cached-only (pushed onto its pool's LRU). Entries are visited per group, rows in batch
+    order, each row from its highest slot down, so a row's pages become cached-only tail first
+    (the oracle's tie order). Cost O(entries changed), in chunks of ``chunk`` entries across
+    all groups."""
     geo = geometry(plan)
+    layout = pool_layout(plan)
     n_g, b = start.shape
     length = jnp.where(mask[None, :], jnp.maximum(end - start, 0), 0).reshape(-1)  # [G * B]
     incl = jnp.cumsum(length, dtype=_I32)
@@ -208,51 +273,66 @@ def _sweep(
     total = incl[-1]
     group = jnp.broadcast_to(jnp.arange(n_g, dtype=_I32)[:, None], (n_g, b)).reshape(-1)
     row_base = (geo.a("table_offset")[:, None] + geo.a("width")[:, None] * s[None, :]).reshape(-1)
-    first = (row_base + start.reshape(-1)) - excl  # table index of flat entry e is first[q] + e
+    # Table index of flat entry e is last[q] - e: each segment is walked from its end down.
+    last = (row_base + start.reshape(-1) + length - 1) + excl
     size = table_size(plan)
+    indexes = state.indexes
 
     def body(i, carry):
-        pools, tables = carry
+        pools, tables, lrus = carry
         e = i * chunk + jnp.arange(chunk, dtype=_I32)
         on = e < total
         q = segment_rows(excl, length, i * chunk, chunk)
-        idx = first[q] + e
+        idx = last[q] - e
         old = tables[jnp.where(on, idx, 0)]
         # The written value depends on `old` (it never equals INT32_MIN), which pins the gather
         # before the scatter; a gather used only after it makes XLA copy the whole buffer.
         value = jnp.where(old == jnp.iinfo(_I32).min, old, fill)
         tables = tables.at[jnp.where(on, idx, size)].set(value, mode="drop")
-        pools, _ = decref(pools, pool_layout(plan), group[q], jnp.where(on, old, -1))
-        return pools, tables
+        pages = jnp.where(on, old, -1)
+        gq = group[q]
+        held = jnp.zeros((chunk,), jnp.bool_)
+        for g in range(n_g):
+            held = held | ((gq == g) & index_lib.holds(indexes[g], jnp.where(gq == g, pages, 0)))
+        pools, _, left = decref_left(pools, layout, gq, pages)
+        # Left with only the index's reference: cached-only now.
+        now_cached = held & (pages > 0) & (left == 1)
+        lrus = tuple(
+            lru_lib.release(lr, pages, now_cached & (gq == g)) for g, lr in enumerate(lrus)
+        )
+        return pools, tables, lrus
 
-    return jax.lax.fori_loop(0, _ceil_div(total, chunk), body, (pools, tables))
+    pools, tables, lrus = jax.lax.fori_loop(
+        0, _ceil_div(total, chunk), body, (state.allocator, state.table_buffer, state.lrus)
+    )
+    return _replace(state, allocator=pools, table_buffer=tables, lrus=lrus)
 
 
 def _free(
     plan: CachePlan, state: CacheState, s: jax.Array, mask: jax.Array, mode: jax.Array
 ) -> CacheState:
-    """Frees requests now: publish (FINISH/RETRACT, issue 5), drop every table reference, reset
-    the slot and bump its generation."""
-    publish = mask & (mode != ReleaseMode.ABORT)
-    del publish  # Issue 5: publish the complete committed blocks of these rows before freeing.
+    """Frees requests now: drop every table reference, reset the slot and bump its generation.
+
+    FINISH/RETRACT publish only the blocks waiting in the request's deferred list: every
+    other committed block was offered to the index by the ``retire`` that committed it (``c``
+    changes nowhere else).
+    """
     b = s.shape[0]
-    hi = state.hi[:, s]
-    pools, tables = _sweep(
-        plan,
-        state.allocator,
-        state.table_buffer,
-        s,
-        mask,
-        jnp.zeros_like(hi),
-        hi,
-        -1,
-        _release_chunk(b),
+    pub = mask & (mode != ReleaseMode.ABORT) & state.keyed[s] & (state.defer_len[s] > 0)
+    c = state.committed[s]
+    state = jax.lax.cond(
+        jnp.any(pub),
+        lambda st: _publish(plan, st, s, pub, c, jnp.zeros_like(c), st.fifo_head[s], True),
+        lambda st: st,
+        state,
     )
+    hi = state.hi[:, s]
+    state = _sweep(plan, state, s, mask, jnp.zeros_like(hi), hi, -1, _release_chunk(b))
     zeros = jnp.zeros_like(hi)
     return _replace(
         state,
-        allocator=pools,
-        table_buffer=tables,
+        keyed=_set_rows(state.keyed, s, mask, False),
+        defer_len=_set_rows(state.defer_len, s, mask, 0),
         lo=_set_cols(state.lo, s, mask, zeros),
         hi=_set_cols(state.hi, s, mask, zeros),
         live=_set_rows(state.live, s, mask, False),
@@ -274,6 +354,169 @@ def _replace(state: CacheState, **kw) -> CacheState:
     return dataclasses.replace(state, **kw)
 
 
+# --- prefix pieces ----------------------------------------------------------------------------
+@functools.cache
+def _match_layout(plan: CachePlan, max_len: int) -> MatchLayout:
+    return MatchLayout.for_plan(plan, max_len)
+
+
+def _hit_listing(plan: CachePlan, m, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Every matched page of ``rows`` across groups: ``(group int32[N], page int32[N])``,
+    pages < 1 where nothing is listed (grouped by pool, as :func:`decref` wants)."""
+    groups, pages = [], []
+    for g, p in enumerate(m.pages):
+        groups.append(jnp.full((p.size,), g, _I32))
+        pages.append(jnp.where(rows[:, None] & (p > 0), p, -1).reshape(-1))
+    del plan
+    return jnp.concatenate(groups), jnp.concatenate(pages)
+
+
+def _pin(plan: CachePlan, state: CacheState, m, rows: jax.Array, on: bool):
+    """Sets (``on``) the pin mask of every page ``rows`` matched; returns the state, the
+    distinct cached-only pinned pages per pool (``int32[G]``) and the listing."""
+    group, pages = _hit_listing(plan, m, rows)
+    listed = pages > 0
+    pinned, cached = [], []
+    distinct = first_occurrence((group, pages), listed)
+    for g in range(len(plan.groups)):
+        mine = (group == g) & listed
+        p = jnp.where(mine, pages, state.pinned[g].shape[0])
+        pinned.append(state.pinned[g].at[p].set(on, mode="drop"))
+        in_lru = state.lrus[g].cached[jnp.clip(pages, 0, state.pinned[g].shape[0] - 1)]
+        cached.append(jnp.sum(distinct & mine & in_lru, dtype=_I32))
+    return _replace(state, pinned=tuple(pinned)), jnp.stack(cached), (group, pages)
+
+
+def _take_hits(plan: CachePlan, state: CacheState, m, s: jax.Array, served, listing) -> CacheState:
+    """Served rows take their hit pages (+1 reference, out of the LRU) into their tables;
+    the pin mask is cleared again."""
+    geo = geometry(plan)
+    group, pages = listing
+    listed = pages > 0
+    pinned, lrus = [], []
+    for g in range(len(plan.groups)):
+        mine = (group == g) & listed
+        p = jnp.where(mine, pages, state.pinned[g].shape[0])
+        pinned.append(state.pinned[g].at[p].set(False, mode="drop"))
+    take_rows = jnp.concatenate(
+        [jnp.broadcast_to(served[:, None], p.shape).reshape(-1) for p in m.pages]
+    )
+    took = listed & take_rows
+    for g in range(len(plan.groups)):
+        lr, _ = lru_lib.acquire(state.lrus[g], jnp.where(took & (group == g), pages, 0))
+        lrus.append(lr)
+    pools = incref(state.allocator, pool_layout(plan), group, jnp.where(took, pages, -1))
+    tables = state.table_buffer
+    for g, p in enumerate(m.pages):
+        w = geo.width[g]
+        cols = min(p.shape[1], w)
+        j = jnp.arange(cols, dtype=_I32)[None, :]
+        idx = geo.table_offset[g] + s[:, None] * w + j
+        val = p[:, :cols]
+        ok = served[:, None] & (val >= 0)
+        tables = tables.at[jnp.where(ok, idx, table_size(plan))].set(val, mode="drop")
+    return _replace(
+        state, pinned=tuple(pinned), lrus=tuple(lrus), allocator=pools, table_buffer=tables
+    )
+
+
+def _publish(
+    plan: CachePlan,
+    state: CacheState,
+    s: jax.Array,
+    pub: jax.Array,
+    c_old: jax.Array,
+    accepted: jax.Array,
+    head: jax.Array,
+    retry: bool,
+) -> CacheState:
+    """Publishes the blocks completed in ``(c_old, c_old + accepted]`` of rows ``pub`` (their
+    step's tokens, continued from the request's chain state ``S(c_old)``), and advances the
+    chain to ``S(c_old + accepted)``. First publisher wins, rows in batch order, per row and
+    group older blocks first.
+
+    A committed block whose key another page holds is remembered (``defer_*``: its chain
+    state and table slot) and offered again at the request's next publish (``retry``): once
+    the other page is evicted this request's copy is published, as docs/semantics.md asks
+    ("every complete committed block ... not yet in the index"). Blocks that became holes
+    are dropped from the list; a full list drops the newest (documented limit).
+    """
+    geo = geometry(plan)
+    t_w = step_token_width(plan)
+    a = jnp.where(pub, accepted, 0)
+    ns = state.namespace[s]
+    base = state.chain[s]
+    sums = keys_lib.extend_sums(base, state.fifo_tokens[s, head], c_old, a, ns)  # [B, T, L]
+    c_new = c_old + a
+    last = jnp.take_along_axis(sums, jnp.clip(a - 1, 0, t_w - 1)[:, None, None], axis=1)[:, 0]
+    chain = jnp.where((a > 0)[:, None], last, base)
+    b = s.shape[0]
+    kd = state.defer_group.shape[1]
+    d_on = pub[:, None] & (jnp.arange(kd, dtype=_I32)[None, :] < state.defer_len[s][:, None])
+    d_group, d_slot, d_sums = state.defer_group[s], state.defer_slot[s], state.defer_sums[s]
+    indexes, groups, taken_pages = [], [], []
+    keep_g, keep_slot, keep_sums, keep_on = [], [], [], []
+    for g in range(len(plan.groups)):
+        bt, w = geo.block_tokens[g], geo.width[g]
+        n_ends = t_w // bt + 1
+        ends = (c_old[:, None] // bt + 1 + jnp.arange(n_ends, dtype=_I32)[None, :]) * bt
+        ok = pub[:, None] & (ends <= c_new[:, None])
+        at = jnp.clip(ends - c_old[:, None] - 1, 0, t_w - 1)
+        new_sums = jnp.take_along_axis(sums, at[:, :, None], axis=1)
+        slot = jnp.clip(ends // bt - 1, 0, w - 1)
+        if retry:
+            mine = d_on & (d_group == g)
+            ends = jnp.concatenate([(d_slot + 1) * bt, ends], axis=1)
+            ok = jnp.concatenate([mine, ok], axis=1)
+            new_sums = jnp.concatenate([d_sums, new_sums], axis=1)
+            slot = jnp.concatenate([jnp.clip(d_slot, 0, w - 1), slot], axis=1)
+        keys = keys_lib.keys_from_sums(new_sums, ends, ns)
+        entry = state.table_buffer[geo.table_offset[g] + s[:, None] * w + slot]
+        valid = ok & (entry >= 1)
+        ix, taken = index_lib.insert(
+            state.indexes[g],
+            keys.reshape(-1, keys_lib.KEY_WORDS),
+            entry.reshape(-1),
+            valid.reshape(-1),
+        )
+        indexes.append(ix)
+        groups.append(jnp.full((entry.size,), g, _I32))
+        taken_pages.append(jnp.where(taken, entry.reshape(-1), -1))
+        held = index_lib.holds(state.indexes[g], entry)  # indexed before this call
+        keep_on.append(valid & ~taken.reshape(valid.shape) & ~held)
+        keep_g.append(jnp.full(valid.shape, g, _I32))
+        keep_slot.append(slot)
+        keep_sums.append(new_sums)
+    pools = incref(
+        state.allocator, pool_layout(plan), jnp.concatenate(groups), jnp.concatenate(taken_pages)
+    )
+    # The blocks still waiting, compacted in order (per row: group, then block).
+    on = jnp.concatenate(keep_on, axis=1)
+    pos = jnp.cumsum(on.astype(_I32), axis=1) - 1
+    dst = jnp.where(on & (pos < kd), pos, kd)
+    rows = jnp.broadcast_to(jnp.arange(b, dtype=_I32)[:, None], dst.shape)
+    dg = jnp.zeros((b, kd), _I32).at[rows, dst].set(jnp.concatenate(keep_g, axis=1), mode="drop")
+    dslot = (
+        jnp.zeros((b, kd), _I32).at[rows, dst].set(jnp.concatenate(keep_slot, axis=1), mode="drop")
+    )
+    dsums = (
+        jnp.zeros((b, kd, keys_lib.LANES), jnp.uint32)
+        .at[rows, dst]
+        .set(jnp.concatenate(keep_sums, axis=1), mode="drop")
+    )
+    dlen = jnp.minimum(jnp.sum(on, axis=1, dtype=_I32), kd)
+    return _replace(
+        state,
+        allocator=pools,
+        indexes=tuple(indexes),
+        chain=_set_rows(state.chain, s, pub, chain),
+        defer_group=_set_rows(state.defer_group, s, pub, dg),
+        defer_slot=_set_rows(state.defer_slot, s, pub, dslot),
+        defer_sums=_set_rows(state.defer_sums, s, pub, dsums),
+        defer_len=_set_rows(state.defer_len, s, pub, dlen),
+    )
+
+
 # --- operations ------------------------------------------------------------------------------
 def admit_fn(
     plan: CachePlan, state: CacheState, batch: AdmitBatch, *, max_count: int | None = None
@@ -286,7 +529,11 @@ def admit_fn(
     that does not fit and every later row), else ``OK``. Served rows claim the lowest free
     slots in batch order and get ``extent = h + first_chunk``, ``committed = h`` and, if
     ``first_chunk > 0``, one in-flight step ``(h, first_chunk)``. With the prefix index (issue
-    5) ``h`` is the hit; now ``h = 0``.
+    With ``batch.tokens`` the prompt is matched against the prefix index first: ``h`` is the
+    hit (docs/semantics.md, "Prefix reuse"), its pages are shared (+1 reference, out of the
+    LRU), window slots before the trailing run are holes, and the supply of the in-order rule
+    is free + unpinned cached-only pages (matched pages are pinned for the call). Without
+    tokens ``h = 0``.
 
     Args:
       plan: the cache plan (static).
@@ -312,11 +559,53 @@ def admit_fn(
     no_slot = asks & (slot >= r)
     want = asks & ~no_slot
     s = jnp.clip(slot, 0, r - 1)
-    # Issue 5: match the prefix index here; shared pages get refcount + 1 and fill table slots
-    # [lo(h), ceil(h / B)) of window groups and [0, h / B) of history groups; lo = lo(h).
-    hit = jnp.zeros((b,), _I32)
+    geo = geometry(plan)
+    bt = geo.a("block_tokens")[None, :]
+    prefix = batch.tokens is not None
+    if prefix:
+        tokens = batch.tokens
+        ns = jnp.zeros((b,), _I32) if batch.namespace is None else batch.namespace
+        # Read-only: the index as at the start of the call. Rows past the argument checks
+        # (NO_SLOT included) pin what they match, as the oracle does.
+        m = match_prompts(_match_layout(plan, tokens.shape[1]), state.indexes, tokens, pl, ns, asks)
+        hit = m.hit
+        state, pinned_cached, listing = _pin(plan, state, m, asks, True)
+    else:
+        hit = jnp.zeros((b,), _I32)
+        pinned_cached = None
     count = jnp.minimum(fc, pl - hit)
-    state, served, part = _grow(plan, state, s, want, hit + count, pages_per_row(plan, mc))
+    state, served, part = _grow(
+        plan,
+        state,
+        s,
+        want,
+        hit + count,
+        pages_per_row(plan, mc),
+        hi=hit[:, None] // bt,
+        pinned_cached=pinned_cached,
+    )
+    if prefix:
+        state = _take_hits(plan, state, m, s, served, listing)
+        need = jnp.asarray([gm.need for gm in _match_layout(plan, tokens.shape[1]).groups], _I32)
+        lo = jnp.where(
+            geo.a("is_window")[None, :], jnp.maximum(0, hit[:, None] // bt - need[None, :]), 0
+        )
+        t_w = step_token_width(plan)
+        pos = jnp.clip(hit[:, None] + jnp.arange(t_w, dtype=_I32)[None, :], 0, tokens.shape[1] - 1)
+        first_tokens = jnp.take_along_axis(tokens, pos, axis=1)
+        state = _replace(
+            state,
+            lo=_set_cols(state.lo, s, served, lo.T),
+            chain=_set_rows(state.chain, s, served, m.state),
+            namespace=_set_rows(state.namespace, s, served, ns),
+            keyed=_set_rows(state.keyed, s, served, True),
+            defer_len=_set_rows(state.defer_len, s, served, 0),
+            fifo_tokens=state.fifo_tokens.at[jnp.where(served, s, r), 0].set(
+                first_tokens, mode="drop"
+            ),
+        )
+    else:
+        state = _replace(state, keyed=_set_rows(state.keyed, s, served, False))
     oop = want & ~served
     status = _pick_status(
         Status.OK,
@@ -410,6 +699,14 @@ def extend_fn(
         fifo_count=state.fifo_count.at[srow, pos].set(cnt, mode="drop"),
         fifo_cap=state.fifo_cap.at[srow, pos].set(cnt, mode="drop"),
     )
+    if batch.tokens is None:
+        # The step's tokens are unknown: the request's committed chain would be too.
+        state = _replace(state, keyed=_set_rows(state.keyed, s, served, False))
+    else:
+        t_w = step_token_width(plan)
+        toks = batch.tokens[:, :t_w]
+        toks = jnp.pad(toks, ((0, 0), (0, t_w - toks.shape[1])))
+        state = _replace(state, fifo_tokens=state.fifo_tokens.at[srow, pos].set(toks, mode="drop"))
     result = StepResult(
         status=status,
         slot=jnp.where(served, s, -1),
@@ -434,8 +731,8 @@ def retire_fn(
     head ``(start, count)`` is popped and: ``DISCARDED`` if ``start != committed`` or a rewind
     cut every token of the step; otherwise ``OK`` with ``committed = start + min(accepted,
     cap)`` (``cap``: the step's tokens a rewind left valid) and, if some valid token was
-    rejected, ``extent = committed`` (rewind: pages kept). Publishing (issue 5) would happen
-    here. A request whose release was deferred is freed by the retire that empties its FIFO.
+    rejected, ``extent = committed`` (rewind: pages kept). The blocks the commit completed
+    are published (requests admitted with tokens, unless an ABORT is pending). A request whose release was deferred is freed by the retire that empties its FIFO.
 
     Args:
       plan: the cache plan (static).
@@ -476,6 +773,21 @@ def retire_fn(
         (discarded, Status.DISCARDED),
     )
     pending = state.pending[s]
+    # Publish the blocks this step completed (not for a request being aborted).
+    pub = commit & state.keyed[s] & (pending != 1 + ReleaseMode.ABORT)
+    new_blocks = pub & (a > 0)
+    retry = pub & (state.defer_len[s] > 0)
+    state = jax.lax.cond(
+        jnp.any(retry),
+        lambda st: _publish(plan, st, s, pub, c_old, a, head, True),
+        lambda st: jax.lax.cond(
+            jnp.any(new_blocks),
+            lambda st: _publish(plan, st, s, new_blocks, c_old, a, head, False),
+            lambda st: st,
+            st,
+        ),
+        state,
+    )
     state = _replace(
         state,
         committed=_set_rows(state.committed, s, go, c_new),
@@ -572,12 +884,8 @@ def reclaim_fn(
     bt, win = geo.a("block_tokens")[:, None], geo.a("window")[:, None]
     behind = jnp.maximum(0, (c[None, :] - win + 1) // bt)
     new_lo = jnp.where(geo.a("is_window")[:, None], jnp.clip(behind, lo, hi), lo)
-    pools, tables = _sweep(
-        plan, state.allocator, state.table_buffer, s, go, lo, new_lo, 0, _reclaim_chunk(plan, b)
-    )
-    state = _replace(
-        state, allocator=pools, table_buffer=tables, lo=_set_cols(state.lo, s, go, new_lo)
-    )
+    state = _sweep(plan, state, s, go, lo, new_lo, 0, _reclaim_chunk(plan, b))
+    state = _replace(state, lo=_set_cols(state.lo, s, go, new_lo))
     return state, ReclaimResult(status, jnp.where(go[:, None], (new_lo - lo).T, 0))
 
 

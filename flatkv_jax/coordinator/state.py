@@ -39,6 +39,9 @@ import numpy as np
 from flatkv_jax.block_pool import BlockPoolSet, PoolLayout, create_block_pool_set
 from flatkv_jax.errors import check_positive_int
 from flatkv_jax.plan import CachePlan
+from flatkv_jax.prefix.index import PrefixIndex, create_indexes
+from flatkv_jax.prefix.keys import LANES
+from flatkv_jax.prefix.lru import CachedLRU, create_lrus
 
 _I32 = jnp.int32
 
@@ -79,6 +82,8 @@ class PoolView(NamedTuple):
     data_fields=[
         "allocator", "table_buffer", "lo", "hi", "generation", "live", "pending", "extent",
         "committed", "fifo_start", "fifo_count", "fifo_cap", "fifo_head", "fifo_len",
+        "indexes", "lrus", "pinned", "chain", "namespace", "keyed", "fifo_tokens",
+        "defer_group", "defer_slot", "defer_sums", "defer_len",
     ],
     meta_fields=["layout"],
 )  # fmt: skip
@@ -100,6 +105,19 @@ class CacheState:
       committed: ``int32[R]``, ``c``.
       fifo_start, fifo_count, fifo_cap: ``int32[R, D]``.
       fifo_head, fifo_len: ``int32[R]``.
+      indexes: per group, its :class:`~flatkv_jax.prefix.index.PrefixIndex` (key -> page).
+      lrus: per group, its :class:`~flatkv_jax.prefix.lru.CachedLRU` (cached-only pages).
+      pinned: per group, ``bool[num_pages]``, all False between calls (admit's scratch mask of
+        pages matched in the call; kept in the state so setting it costs O(pages matched)).
+      chain: ``uint32[R, LANES]``, the chain state ``S(committed)`` of each request's tokens.
+      namespace: ``int32[R]``, each request's namespace (low word).
+      keyed: ``bool[R]``, the request's committed tokens are known (it publishes).
+      fifo_tokens: ``int32[R, D, T]``, the token ids of each in-flight step (``T = max(
+        chunk_tokens, 1 + verify_width)``), published when the step retires.
+      defer_group, defer_slot: ``int32[R, K]``, defer_sums: ``uint32[R, K, LANES]``,
+        defer_len: ``int32[R]``: per request, committed blocks whose key another page held
+        when they were published (group, table slot, chain state at the block end), offered
+        again at the request's next publish. ``K = deferred_blocks``.
     """
 
     allocator: BlockPoolSet
@@ -116,6 +134,17 @@ class CacheState:
     fifo_cap: jax.Array
     fifo_head: jax.Array
     fifo_len: jax.Array
+    indexes: tuple[PrefixIndex, ...]
+    lrus: tuple[CachedLRU, ...]
+    pinned: tuple[jax.Array, ...]
+    chain: jax.Array
+    namespace: jax.Array
+    keyed: jax.Array
+    fifo_tokens: jax.Array
+    defer_group: jax.Array
+    defer_slot: jax.Array
+    defer_sums: jax.Array
+    defer_len: jax.Array
     layout: StateLayout
 
     @property
@@ -149,19 +178,32 @@ class CacheState:
         return self.fifo_start.shape[1]
 
 
-def create_state(plan: CachePlan, fifo_depth: int = 2) -> CacheState:
+def create_state(
+    plan: CachePlan, fifo_depth: int = 2, deferred_blocks: int | None = None
+) -> CacheState:
     """An empty cache state for ``plan``: every page free, every slot free, tables all -1.
 
     Args:
       plan: the cache plan.
       fifo_depth: in-flight steps one request may have (steps extended but not retired);
         2 serves a pipelined (async) scheduler.
+      deferred_blocks: per request, committed blocks whose publication waits for another
+        page holding the same key to be evicted (default: every block of a ``max_context``
+        request of every group, at most 256). Beyond it such blocks are never published.
 
     Returns:
-      The state. Device bytes: the plan's table bytes plus about ``8 * num_pages`` per pool.
+      The state. Device bytes: the plan's table bytes plus about ``8 * num_pages`` per pool
+      for the allocator, about ``54 * num_pages`` per pool for the prefix index and LRU, and
+      ``4 * max_requests * fifo_depth * max(chunk_tokens, 1 + verify_width)`` of step tokens.
     """
     check_positive_int("fifo_depth", fifo_depth)
+    if deferred_blocks is None:
+        deferred_blocks = min(
+            256, sum(plan.limits.max_context // g.block_tokens for g in plan.groups)
+        )
+    check_positive_int("deferred_blocks", deferred_blocks)
     r = plan.limits.max_requests
+    kd = deferred_blocks
 
     # Every leaf is its own buffer: the ops donate the state, and XLA refuses to donate one
     # buffer twice.
@@ -186,8 +228,24 @@ def create_state(plan: CachePlan, fifo_depth: int = 2) -> CacheState:
         fifo_cap=fifo(),
         fifo_head=zeros(),
         fifo_len=zeros(),
+        indexes=create_indexes(plan),
+        lrus=create_lrus(plan),
+        pinned=tuple(jnp.zeros((plan.pages(g),), jnp.bool_) for g in plan.groups),
+        chain=jnp.zeros((r, LANES), jnp.uint32),
+        namespace=zeros(),
+        keyed=jnp.zeros((r,), jnp.bool_),
+        fifo_tokens=jnp.zeros((r, fifo_depth, step_token_width(plan)), _I32),
+        defer_group=jnp.zeros((r, kd), _I32),
+        defer_slot=jnp.zeros((r, kd), _I32),
+        defer_sums=jnp.zeros((r, kd, LANES), jnp.uint32),
+        defer_len=zeros(),
         layout=state_layout(plan),
     )
+
+
+def step_token_width(plan: CachePlan) -> int:
+    """Tokens one in-flight step records: ``max(chunk_tokens, 1 + verify_width)``."""
+    return max(plan.limits.chunk_tokens, plan.limits.decode_tokens)
 
 
 @functools.cache

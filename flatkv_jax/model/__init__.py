@@ -7,7 +7,7 @@ logits as the dense, cache-free recomputation (:func:`dense_forward`). See docs/
 - parameters: :class:`Params`, :func:`init_params`, :func:`param_shapes`
 - row codecs: :mod:`flatkv_jax.model.quant`
 - dense reference: :func:`dense_forward`
-- cached path: :class:`StepMeta`, :class:`StepBatch`, :class:`StepOutput`, :func:`step`,
+- cached path: :class:`StepBatch`, :class:`StepOutput`, :func:`step`,
   :func:`make_step`; MTP drafts: :class:`DraftBatch`, :class:`DraftOutput`, :func:`propose`,
   :func:`make_propose`
 """
@@ -17,7 +17,6 @@ from flatkv_jax.model.cached import (
     DraftBatch,
     DraftOutput,
     StepBatch,
-    StepMeta,
     StepOutput,
     check_plan,
     make_propose,
@@ -35,7 +34,6 @@ __all__ = [
     "ModelConfig",
     "Params",
     "StepBatch",
-    "StepMeta",
     "StepOutput",
     "check_plan",
     "dense_forward",

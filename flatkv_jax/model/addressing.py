@@ -1,15 +1,18 @@
-"""Where a token's rows live: write slots and read addresses from absolute tables.
+"""The consumer side of the coordinator's step metadata: where the model reads its rows.
 
-The formulas of docs/semantics.md ("Step metadata"), for one group ``g`` with
-``B = rows_per_page * tokens_per_row``:
+The coordinator computes every address the step needs (docs/coordinator.md, "Step metadata");
+this module only *reads* them, the way a kernel would:
 
-- the token at position ``p`` completes row ``p // tokens_per_row`` iff
-  ``(p + 1) % tokens_per_row == 0``;
-- row ``i`` lives in table slot ``i // rows_per_page`` (= block ``p // B``) at row
-  ``i % rows_per_page`` of that page; its write slot is ``page * rows_per_page + row``;
-- a table entry ``>= 1`` is a page; ``0`` (hole) and ``-1`` (not allocated / idle) are never
-  read or written: writes get slot ``-1`` (skipped by the kernels) and reads are redirected to
-  the null page and masked out.
+- **writes** are ``meta.write_slot[g]`` as published (no formula here);
+- **window groups** (sliding-window KV, compressor state): the token of metadata row ``i`` at
+  position ``p`` reads positions ``q`` in ``[p - span + 1, p]`` from
+  ``window_pages[i, off + q // block_tokens - window_first_block[g, i]]`` at in-page row
+  ``(q // tokens_per_row) % rows_per_page`` (``(off, n) = window_columns(plan, max_count)[g]``);
+- **history groups** (compressed chains): row ``j`` of request slot ``s`` is in the flat table
+  buffer at ``table_offset[g] + s * table_width[g] + j // rows_per_page``.
+
+Every address that is not a page (``< 1``: hole, unallocated, outside the published columns or
+the table) is redirected to the null page and reported as not ``ok``, so callers mask it out.
 """
 
 from __future__ import annotations
@@ -17,49 +20,70 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flatkv_jax.groups import GroupSpec
+from flatkv_jax.coordinator.metadata import StepMetadata
+from flatkv_jax.coordinator.state import state_layout
+from flatkv_jax.plan import CachePlan
 
 
-def row_address(g: GroupSpec, table: jax.Array, slot: jax.Array, row: jax.Array):
-    """Page and in-page row of row ``row`` of request ``slot`` in group ``g``.
+def window_positions(pos: jax.Array, span: int) -> jax.Array:
+    """Raw positions ``p - span + 1 .. p`` of each token, oldest first: int32 ``[N, span]``."""
+    return pos[:, None] - span + 1 + jnp.arange(span, dtype=jnp.int32)[None, :]
+
+
+def _null(ok: jax.Array, page: jax.Array, row: jax.Array):
+    return jnp.where(ok, page, 0), jnp.where(ok, row, 0), ok
+
+
+def window_address(
+    plan: CachePlan,
+    gi: int,
+    columns: tuple[tuple[int, int], ...],
+    meta: StepMetadata,
+    row: jax.Array,
+    q: jax.Array,
+):
+    """Addresses of raw positions ``q [N, E]`` of window group ``gi`` for tokens of metadata
+    rows ``row [N]`` (``-1`` = idle token).
 
     Args:
-      g: the group.
-      table: int32 ``[max_requests, width]`` absolute table of ``g``.
-      slot: int32 request slots (``-1`` = idle), broadcastable against ``row``.
-      row: int32 row indices of ``g`` (``< 0`` = none).
+      plan: the cache plan (static).
+      gi: the group's index in ``plan.groups`` (a window group).
+      columns: ``window_columns(plan, max_count)`` of the metadata.
+      meta: the step's metadata.
+      row: int32 ``[N]`` metadata row of each token.
+      q: int32 ``[N, E]`` positions to read (``< 0`` = none).
 
     Returns:
-      ``(page, row_in_page, ok)`` with the shape of ``row``: where ``ok`` is False the
-      address is ``(0, 0)``, the null page.
+      ``(page, row_in_page, ok)``, each ``[N, E]``; null-page addresses where not ``ok``.
     """
-    slot, row = jnp.broadcast_arrays(slot, row)
-    r, width = table.shape
-    block = row // g.rows_per_page
-    inside = (slot >= 0) & (slot < r) & (row >= 0) & (block < width)
-    page = table[jnp.clip(slot, 0, r - 1), jnp.clip(block, 0, width - 1)]
-    ok = inside & (page >= 1)
-    return jnp.where(ok, page, 0), jnp.where(ok, row % g.rows_per_page, 0), ok
+    g = plan.groups[gi]
+    off, span = columns[gi]
+    s = meta.row_slot.shape[0]
+    r = jnp.clip(row, 0, s - 1)
+    j = q // g.block_tokens - meta.window_first_block[gi, r][:, None]
+    inside = (row >= 0)[:, None] & (q >= 0) & (j >= 0) & (j < span)
+    page = meta.window_pages[r[:, None], off + jnp.clip(j, 0, span - 1)]
+    return _null(inside & (page >= 1), page, (q // g.tokens_per_row) % g.rows_per_page)
 
 
-def write_slots(
-    g: GroupSpec, table: jax.Array, token_slot: jax.Array, token_pos: jax.Array
-) -> jax.Array:
-    """Write slot of each step token in group ``g``: ``int32[S]``, ``-1`` = no row to write.
+def history_address(
+    plan: CachePlan, gi: int, table_buffer: jax.Array, slot: jax.Array, rows: jax.Array
+):
+    """Addresses of rows ``rows [N, E]`` of history group ``gi`` for request slots ``slot [N]``
+    (``-1`` = idle), read from the coordinator's flat table buffer.
 
-    A token writes iff it is live (slot and position ``>= 0``), it completes a row
-    (``(p + 1) % tokens_per_row == 0``) and the table holds a page for that row.
+    Returns:
+      ``(page, row_in_page, ok)``, each ``[N, E]``; null-page addresses where not ``ok``.
     """
-    completes = (token_pos + 1) % g.tokens_per_row == 0
-    page, r, ok = row_address(
-        g, table, token_slot, jnp.where(token_pos >= 0, token_pos // g.tokens_per_row, -1)
-    )
-    return jnp.where(ok & completes, page * g.rows_per_page + r, -1).astype(jnp.int32)
-
-
-def window_positions(token_pos: jax.Array, span: int) -> jax.Array:
-    """Raw positions ``p - span + 1 .. p`` of each token, oldest first: int32 ``[S, span]``."""
-    return token_pos[:, None] - span + 1 + jnp.arange(span, dtype=jnp.int32)[None, :]
+    g = plan.groups[gi]
+    layout = state_layout(plan)
+    base, width = layout.table_offset[gi], layout.table_width[gi]
+    r = layout.max_requests
+    block = rows // g.rows_per_page
+    inside = (slot >= 0)[:, None] & (rows >= 0) & (block < width)
+    flat = base + jnp.clip(slot, 0, r - 1)[:, None] * width + jnp.clip(block, 0, width - 1)
+    page = table_buffer[flat]
+    return _null(inside & (page >= 1), page, rows % g.rows_per_page)
 
 
 def gather(pool: jax.Array, page: jax.Array, row: jax.Array) -> jax.Array:

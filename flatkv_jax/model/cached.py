@@ -1,9 +1,11 @@
 """The cached step: the model reading and writing the flat pools as a serving stack would.
 
-Cache-side inputs are only what the coordinator publishes per step (:class:`StepMeta`): the
-flat token layout (request slot and absolute position of each token, ``-1`` = idle), the
-absolute table of every group and the zero list of every pool. Write slots and read addresses
-are derived here from tables + positions (:mod:`flatkv_jax.model.addressing`).
+Cache-side inputs are only what the coordinator publishes per step: its
+:class:`~flatkv_jax.coordinator.StepMetadata` (flat token layout, write slots, window read
+pages, zero lists) and its flat table buffer (``CacheState.table_buffer``, read for the
+history groups with the state layout's offsets and strides). Nothing here recomputes an
+address the coordinator publishes; :mod:`flatkv_jax.model.addressing` is the consumer-side
+reading of the metadata.
 
 Order per pool array inside one step (XLA copies a donated pool that is read before it is
 mutated, see docs/model.md): every zero-listed page of every pool is zeroed first; then layer by
@@ -19,11 +21,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from flatkv_jax.coordinator.metadata import StepMetadata, window_columns
+from flatkv_jax.coordinator.ops import resolve_max_count
+from flatkv_jax.coordinator.state import table_size
 from flatkv_jax.errors import fail
 from flatkv_jax.groups import GroupSpec, Owner
 from flatkv_jax.model import layers as L
 from flatkv_jax.model import quant
-from flatkv_jax.model.addressing import gather, row_address, window_positions, write_slots
+from flatkv_jax.model.addressing import gather, history_address, window_address, window_positions
 from flatkv_jax.model.config import ModelConfig
 from flatkv_jax.model.params import CompressorParams, LayerParams, Params
 from flatkv_jax.plan import CachePlan
@@ -36,26 +41,6 @@ from kernels_pallas import zero_pages as _zero_pages
 
 def _dataclass(cls):
     return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
-
-
-@_dataclass
-class StepMeta:
-    """What the coordinator publishes for one step (every array int32, fixed shapes).
-
-    Attributes:
-      token_slot: ``[step_tokens]`` request slot of each flat token, ``-1`` = idle. The tokens
-        of one request are contiguous and in ascending position order (the MTP layer reads the
-        hidden state of the previous flat token when it is the same request's previous position).
-      token_pos: ``[step_tokens]`` absolute position of each token, ``-1`` = idle.
-      tables: per group (plan order) the absolute table ``[max_requests, table_width(g)]``.
-      zero_pages: per group the pages to zero before anything reads that pool, ``[K_g]``
-        padded with ``-1`` (any ``K_g``).
-    """
-
-    token_slot: jax.Array
-    token_pos: jax.Array
-    tables: tuple[jax.Array, ...]
-    zero_pages: tuple[jax.Array, ...]
 
 
 @_dataclass
@@ -87,23 +72,28 @@ class StepOutput:
 
 @_dataclass
 class DraftBatch:
-    """Inputs of :func:`propose`, one row per request slot.
+    """Inputs of :func:`propose`, indexed by request slot.
+
+    The draft positions come from the step metadata: a proposing request's metadata row
+    (``row_start``, ``row_count >= num_draft``) is its verify block, and the draft writes
+    positions ``row_start .. row_start + num_draft - 1`` of it.
 
     Attributes:
-      tokens: int32 ``[max_requests]`` the token at ``start_pos`` (the one the target just chose).
-      start_pos: int32 ``[max_requests]`` first draft position, ``-1`` = this slot proposes nothing.
-      prev_hidden: float32 ``[max_requests, hidden]`` target hidden of ``start_pos - 1``.
+      tokens: int32 ``[max_requests]`` the token at ``row_start`` (the one the target just chose).
+      prev_hidden: float32 ``[max_requests, hidden]`` target hidden of ``row_start - 1``.
+      active: bool ``[max_requests]``: the request proposes in this step.
     """
 
     tokens: jax.Array
-    start_pos: jax.Array
     prev_hidden: jax.Array
+    active: jax.Array
 
 
 @_dataclass
 class DraftOutput:
-    """``tokens int32 [max_requests, k]`` (greedy proposals for positions ``start_pos + 1 ..
-    start_pos + k``) and their ``logits float32 [max_requests, k, vocab]``."""
+    """Per metadata row (``S = meta.row_slot.shape[0]``): ``tokens int32 [S, k]`` (greedy
+    proposals for positions ``row_start + 1 .. row_start + k``) and their ``logits float32
+    [S, k, vocab]``; rows that do not propose hold unspecified values."""
 
     tokens: jax.Array
     logits: jax.Array
@@ -143,34 +133,49 @@ class _PoolEditor:
 
 @dataclasses.dataclass(frozen=True)
 class _Ctx:
-    """Static context of one traced call plus the step's token layout."""
+    """Static context of one traced call plus the addressing of ``N`` tokens.
+
+    ``slot``, ``pos`` and ``row`` (metadata row) are ``[N]`` with ``-1`` for idle tokens;
+    ``write_slot`` is ``[G, N]``, the coordinator's write slots of those tokens.
+    """
 
     cfg: ModelConfig
     plan: CachePlan
     impl: Impl
-    tables: dict
-    token_slot: jax.Array
-    token_pos: jax.Array
+    meta: StepMetadata
+    table_buffer: jax.Array
+    columns: tuple[tuple[int, int], ...]
+    slot: jax.Array
+    pos: jax.Array
+    row: jax.Array
+    write_slot: jax.Array
 
     @property
     def live(self) -> jax.Array:
-        return (self.token_pos >= 0) & (self.token_slot >= 0)
+        return self.pos >= 0
 
     @property
-    def pos(self) -> jax.Array:
+    def safe_pos(self) -> jax.Array:
         """Positions with idle tokens at 0 (so the math stays finite; their rows are skipped)."""
-        return jnp.where(self.live, self.token_pos, 0)
+        return jnp.where(self.live, self.pos, 0)
 
-    def read_rows(self, g: GroupSpec, rows: jax.Array):
-        """Addresses of rows ``rows [S, E]`` (``< 0`` = none) of each token's own request."""
-        rows = jnp.where(self.live[:, None], rows, -1)
-        return row_address(g, self.tables[g.name], self.token_slot[:, None], rows)
+    def read_window(self, g: GroupSpec, span: int):
+        """Addresses of each token's positions ``p - span + 1 .. p`` in window group ``g``."""
+        gi = self.plan.group_index(g.name)
+        q = jnp.where(self.live[:, None], window_positions(self.pos, span), -1)
+        return window_address(self.plan, gi, self.columns, self.meta, self.row, q)
+
+    def read_history(self, g: GroupSpec, rows: jax.Array):
+        """Addresses of rows ``rows [N, E]`` of history group ``g`` of each token's request."""
+        gi = self.plan.group_index(g.name)
+        slot = jnp.where(self.live, self.slot, -1)
+        return history_address(self.plan, gi, self.table_buffer, slot, rows)
 
     def write(
         self, ed: _PoolEditor, g: GroupSpec, field: str, layer: int, rows: jax.Array
     ) -> jax.Array:
-        """Writes each token's row (where it completes one) and returns the updated array."""
-        slots = write_slots(g, self.tables[g.name], self.token_slot, self.token_pos)
+        """Writes each token's row at the coordinator's write slot; returns the new array."""
+        slots = self.write_slot[self.plan.group_index(g.name)]
         pool = _write_rows(ed.get(g, field, layer), rows, slots, impl=self.impl)
         ed.set(g, field, layer, pool)
         return pool
@@ -188,10 +193,12 @@ def _compress(
 ):
     """Writes this step's compressor state rows, then the compressed rows they complete."""
     gs = ctx.plan.group(state)
-    pool = ctx.write(ed, gs, "state", layer, L.compressor_state(cp, xn, ctx.pos))
+    pool = ctx.write(ed, gs, "state", layer, L.compressor_state(cp, xn, ctx.safe_pos))
     ratio = cp.ape.shape[1]
-    page, row, ok = ctx.read_rows(gs, window_positions(ctx.token_pos, L.window_span(cp)))
-    crow = L.compress_window(cp, gather(pool, page, row), ok, ctx.pos // ratio, rope_dim, ctx.cfg)
+    page, row, ok = ctx.read_window(gs, L.window_span(cp))
+    crow = L.compress_window(
+        cp, gather(pool, page, row), ok, ctx.safe_pos // ratio, rope_dim, ctx.cfg
+    )
     gc = ctx.plan.group(out[0])
     ctx.write(ed, gc, out[1], layer, quant.encode(gc.field(out[1]).format, crow))
 
@@ -202,16 +209,14 @@ def _compressed_keys(ctx: _Ctx, ed: _PoolEditor, lp: LayerParams, xn, layer: int
     gc = ctx.plan.group(f"c{ratio}_kv")
     n_rows = ctx.plan.table_width(gc) * gc.rows_per_page
     j = jnp.arange(n_rows, dtype=jnp.int32)
-    page, row, ok = ctx.read_rows(
-        gc, jnp.broadcast_to(j[None, :], (ctx.token_pos.shape[0], n_rows))
-    )
-    visible = ok & (j[None, :] < ((ctx.pos + 1) // ratio)[:, None])
+    page, row, ok = ctx.read_history(gc, jnp.broadcast_to(j[None, :], (ctx.pos.shape[0], n_rows)))
+    visible = ok & (j[None, :] < ((ctx.safe_pos + 1) // ratio)[:, None])
     kv_fmt = gc.field("kv").format
     if ratio == cfg.cache.csa_ratio:
         ikeys = quant.decode(
             gc.field("index_key").format, gather(ed.get(gc, "index_key", layer), page, row)
         )
-        iq, iw = L.index_queries(lp.indexer, xn, ctx.pos, cfg)
+        iq, iw = L.index_queries(lp.indexer, xn, ctx.safe_pos, cfg)
         idx, chosen = L.top_k_rows(L.index_scores(iq, iw, ikeys), visible, cfg.cache.index_topk)
         page = jnp.take_along_axis(page, idx, axis=1)
         row = jnp.take_along_axis(row, idx, axis=1)
@@ -222,11 +227,11 @@ def _compressed_keys(ctx: _Ctx, ed: _PoolEditor, lp: LayerParams, xn, layer: int
 def _layer(ctx: _Ctx, ed: _PoolEditor, lp: LayerParams, x, layer: int, ratio: int, swa: str):
     """One layer over the step's tokens: SWA write/read, compressor(s), attention, MLP."""
     cfg = ctx.cfg
-    xn, q, kv = L.project_qkv(lp, x, ctx.pos, cfg)
+    xn, q, kv = L.project_qkv(lp, x, ctx.safe_pos, cfg)
     g = ctx.plan.group(swa)
     fmt = g.field("kv").format
     pool = ctx.write(ed, g, "kv", layer, quant.encode(fmt, kv))
-    page, row, ok = ctx.read_rows(g, window_positions(ctx.token_pos, cfg.window))
+    page, row, ok = ctx.read_window(g, cfg.window)
     keys, mask = quant.decode(fmt, gather(pool, page, row)), ok
     if ratio:
         _compress(
@@ -297,53 +302,79 @@ def _check_array(what: str, a, shape: tuple[int, ...], dtype) -> None:
         )
 
 
-def _check_cache(plan: CachePlan, tables, zero_pages) -> None:
-    n = len(plan.groups)
-    if not isinstance(tables, tuple) or len(tables) != n:
-        fail(
-            "tables",
-            type(tables).__name__,
-            f"one table per group ({n}), a tuple in plan order",
-            "pass a tuple of tables",
-        )
-    if not isinstance(zero_pages, tuple) or len(zero_pages) != n:
-        fail(
-            "zero_pages",
-            type(zero_pages).__name__,
-            f"one zero list per group ({n}), a tuple in plan order",
-            "pass a tuple",
-        )
-    for g, t, z in zip(plan.groups, tables, zero_pages, strict=True):
-        _check_array(f"tables[{g.name}]", t, plan.table_shape(g), jnp.int32)
-        if not hasattr(z, "shape") or z.ndim != 1 or z.dtype != jnp.int32:
-            fail(
-                f"zero_pages[{g.name}]",
-                getattr(z, "shape", z),
-                "a rank-1 int32 array padded with -1",
-                "pass jnp.full((K,), -1, jnp.int32)",
-            )
-
-
-def check_step_inputs(cfg: ModelConfig, plan: CachePlan, batch: StepBatch, meta: StepMeta) -> None:
+def check_step_inputs(
+    cfg: ModelConfig,
+    plan: CachePlan,
+    batch: StepBatch,
+    meta: StepMetadata,
+    table_buffer: jax.Array,
+    max_count: int | None = None,
+) -> None:
     """Raises ValueError/TypeError for inputs whose shapes or dtypes do not fit ``plan``."""
     check_plan(cfg, plan)
     s, r = plan.limits.step_tokens, plan.limits.max_requests
-    _check_array("token_slot", meta.token_slot, (s,), jnp.int32)
-    _check_array("token_pos", meta.token_pos, (s,), jnp.int32)
     _check_array("tokens", batch.tokens, (s,), jnp.int32)
     _check_array("prev_hidden", batch.prev_hidden, (r, cfg.hidden), jnp.float32)
-    _check_cache(plan, meta.tables, meta.zero_pages)
+    check_metadata(plan, meta, table_buffer, max_count)
+
+
+def check_metadata(
+    plan: CachePlan, meta: StepMetadata, table_buffer: jax.Array, max_count: int | None = None
+) -> None:
+    """Raises unless ``meta`` is the coordinator's metadata for ``plan`` at ``max_count`` and
+    ``table_buffer`` its flat table buffer."""
+    if not isinstance(meta, StepMetadata):
+        fail(
+            "meta",
+            type(meta).__name__,
+            "it must be the coordinator's StepMetadata",
+            "build it with flatkv_jax.coordinator.step_metadata",
+            exc=TypeError,
+        )
+    t, n_g = plan.limits.step_tokens, len(plan.groups)
+    for name in ("token_slot", "token_pos", "token_row"):
+        _check_array(f"meta.{name}", getattr(meta, name), (t,), jnp.int32)
+    _check_array("meta.write_slot", meta.write_slot, (n_g, t), jnp.int32)
+    rows = meta.row_slot
+    if not hasattr(rows, "shape") or rows.ndim != 1:
+        fail(
+            "meta.row_slot",
+            getattr(rows, "shape", rows),
+            "a rank-1 int32 array",
+            "use step_metadata",
+        )
+    s = rows.shape[0]
+    for name in ("row_slot", "row_start", "row_count", "row_offset"):
+        _check_array(f"meta.{name}", getattr(meta, name), (s,), jnp.int32)
+    cols = sum(n for _, n in window_columns(plan, max_count))
+    _check_array("meta.window_pages", meta.window_pages, (s, cols), jnp.int32)
+    _check_array("meta.window_first_block", meta.window_first_block, (n_g, s), jnp.int32)
+    z = meta.zero
+    if not hasattr(z, "shape") or z.ndim != 2 or z.shape[0] != n_g or z.dtype != jnp.int32:
+        fail(
+            "meta.zero",
+            getattr(z, "shape", z),
+            f"an int32 array [{n_g}, K] (one zero list per group) padded with -1",
+            "use step_metadata",
+        )
+    _check_array("table_buffer", table_buffer, (table_size(plan),), jnp.int32)
 
 
 # --- the step -----------------------------------------------------------------------------------
+def _columns(plan: CachePlan, max_count: int | None):
+    return window_columns(plan, resolve_max_count(plan, max_count))
+
+
 def step(
     params: Params,
     pools: Pools,
     batch: StepBatch,
-    meta: StepMeta,
+    meta: StepMetadata,
+    table_buffer: jax.Array,
     *,
     cfg: ModelConfig,
     plan: CachePlan,
+    max_count: int | None = None,
     impl: Impl | str = Impl.REFERENCE,
 ) -> tuple[StepOutput, Pools]:
     """One serving step of the target model (and the MTP layer over the same tokens).
@@ -353,27 +384,37 @@ def step(
     Args:
       params: model parameters.
       pools: every pool of ``plan`` (donated by :func:`make_step`).
-      batch: tokens and per-request previous hidden states.
-      meta: the coordinator's step metadata.
+      batch: tokens (on the metadata's flat token axis) and per-request previous hidden states.
+      meta: the coordinator's :class:`~flatkv_jax.coordinator.StepMetadata` of this step: the
+        token layout, ``write_slot``, the window read index and the zero lists (all applied,
+        every pool of every group, before anything is written).
+      table_buffer: int32 ``CacheState.table_buffer`` (read only; the history groups' read
+        index, at the state layout's offsets and strides).
       cfg, plan: static model config and cache plan (``plan.groups`` must be the recipe groups
         of ``cfg.cache``).
+      max_count: the static per-row bound the step's admit/extend calls and
+        ``step_metadata`` used (sizes the window columns; default as the coordinator's).
       impl: kernel implementation for ``write_rows`` / ``zero_pages``.
 
     Returns:
       ``(StepOutput, pools)`` with this step's rows written into ``pools``.
     """
-    check_step_inputs(cfg, plan, batch, meta)
+    check_step_inputs(cfg, plan, batch, meta, table_buffer, max_count)
     impl = Impl(impl)
     ed = _PoolEditor.of(plan, pools)
     for gi in range(len(plan.groups)):
-        ed.zero(gi, meta.zero_pages[gi], impl)
+        ed.zero(gi, meta.zero[gi], impl)
     ctx = _Ctx(
         cfg,
         plan,
         impl,
-        {g.name: t for g, t in zip(plan.groups, meta.tables, strict=True)},
+        meta,
+        table_buffer,
+        _columns(plan, max_count),
         meta.token_slot,
         meta.token_pos,
+        meta.token_row,
+        meta.write_slot,
     )
     tokens = jnp.where(ctx.live, batch.tokens, 0)
     x = params.embed[tokens]
@@ -384,12 +425,12 @@ def step(
     if cfg.has_mtp:
         mp = params.mtp
         # The MTP layer at position q reads the target hidden of q - 1: the previous flat token
-        # when it is the same request's previous position, else the carried prev_hidden.
-        slot, pos = meta.token_slot, meta.token_pos
-        chained = (slot[1:] == slot[:-1]) & (pos[1:] == pos[:-1] + 1)
-        chained = jnp.concatenate([jnp.zeros((1,), bool), chained]) & ctx.live
+        # when it belongs to the same metadata row (rows are contiguous, ascending positions),
+        # else the carried prev_hidden.
+        row = meta.token_row
+        chained = jnp.concatenate([jnp.zeros((1,), bool), row[1:] == row[:-1]]) & ctx.live
         shifted = jnp.concatenate([jnp.zeros_like(x[:1]), x[:-1]], axis=0)
-        carried = batch.prev_hidden[jnp.clip(slot, 0, plan.limits.max_requests - 1)]
+        carried = batch.prev_hidden[jnp.clip(meta.token_slot, 0, plan.limits.max_requests - 1)]
         prev = jnp.where(chained[:, None], shifted, carried)
         g = L.mtp_input(mp, params.embed[tokens], prev, cfg)
         g = _layer(ctx, ed, mp.layer, g, cfg.cache.mtp_layers[0], 0, "mtp_swa_kv")
@@ -401,29 +442,35 @@ def propose(
     params: Params,
     pools: Pools,
     batch: DraftBatch,
-    tables: tuple[jax.Array, ...],
-    zero_pages: tuple[jax.Array, ...],
+    meta: StepMetadata,
+    table_buffer: jax.Array,
     *,
     cfg: ModelConfig,
     plan: CachePlan,
     num_draft: int,
+    max_count: int | None = None,
     impl: Impl | str = Impl.REFERENCE,
 ) -> tuple[DraftOutput, Pools]:
-    """The MTP layer proposes ``num_draft`` tokens per request, greedily, one position at a time.
+    """The MTP layer proposes ``num_draft`` tokens per active request, greedily, one position
+    at a time, into the verify block the coordinator just scheduled.
 
-    Position ``start_pos + i`` reads ``(hidden, token)`` — the target hidden and chosen token
-    for ``i = 0``, then the draft's own hidden and proposal — and writes its row of the draft
-    pool ``mtp_swa_kv``. The rows of positions a later verify step covers are overwritten there
-    with target-hidden inputs, so accepted positions end up exactly as a dense recompute.
+    Call it with the same metadata as the verify :func:`step` that follows. Position
+    ``row_start + i`` of an active request's metadata row reads ``(hidden, token)`` — the
+    target hidden and chosen token for ``i = 0``, then the draft's own hidden and proposal —
+    and writes its row of the draft pool ``mtp_swa_kv`` at the coordinator's write slot. The
+    verify step overwrites those rows with target-hidden inputs, so accepted positions end up
+    exactly as a dense recompute.
 
     Args:
       params, pools: as in :func:`step` (only the draft-owned pools are touched).
-      batch: per request slot, the start token, position and previous target hidden.
-      tables, zero_pages: per group (plan order), as in :class:`StepMeta`; only the zero lists
-        of draft-owned groups are applied (a page handed out by ``extend`` must be zeroed by the
-        first function that touches its pool).
+      batch: per request slot, the start token, previous target hidden and whether it proposes.
+      meta, table_buffer, max_count: as in :func:`step`; only the zero lists of draft-owned
+        groups are applied here (a page handed out by ``extend`` must be zeroed by the first
+        function that touches its pool; the step zeroes it again, harmlessly, since only
+        positions it rewrites live in new pages).
       cfg, plan, impl: as in :func:`step`.
-      num_draft: tokens to propose (``>= 1``, static).
+      num_draft: tokens to propose (``>= 1``, static; a proposing row needs ``row_count >=
+        num_draft``).
 
     Returns:
       ``(DraftOutput, pools)``.
@@ -445,18 +492,26 @@ def propose(
         )
     r = plan.limits.max_requests
     _check_array("tokens", batch.tokens, (r,), jnp.int32)
-    _check_array("start_pos", batch.start_pos, (r,), jnp.int32)
     _check_array("prev_hidden", batch.prev_hidden, (r, cfg.hidden), jnp.float32)
-    _check_cache(plan, tables, zero_pages)
+    _check_array("active", batch.active, (r,), jnp.bool_)
+    check_metadata(plan, meta, table_buffer, max_count)
     impl = Impl(impl)
     ed = _PoolEditor.of(plan, pools)
     for gi, g in enumerate(plan.groups):
         if g.owner is Owner.DRAFT:
-            ed.zero(gi, zero_pages[gi], impl)
+            ed.zero(gi, meta.zero[gi], impl)
     gi = plan.group_index("mtp_swa_kv")
-    named = {g.name: t for g, t in zip(plan.groups, tables, strict=True)}
-    live = batch.start_pos >= 0
-    slot = jnp.where(live, jnp.arange(r, dtype=jnp.int32), -1)
+    columns = _columns(plan, max_count)
+    s, t = meta.row_slot.shape[0], plan.limits.step_tokens
+    slot = meta.row_slot
+    on = (
+        (slot >= 0)
+        & batch.active[jnp.clip(slot, 0, r - 1)]
+        & (meta.row_offset >= 0)
+        & (meta.row_count >= num_draft)
+    )
+    rows = jnp.arange(s, dtype=jnp.int32)
+    safe = jnp.clip(slot, 0, r - 1)
     mp, layer = params.mtp, cfg.cache.mtp_layers[0]
 
     def body(i, carry):
@@ -464,7 +519,21 @@ def propose(
         # Only the draft pool travels through the loop; the editor sees just that group.
         loop_ed = _PoolEditor(plan, [None] * len(plan.groups))
         loop_ed.arrays[gi] = [list(flat)]
-        ctx = _Ctx(cfg, plan, impl, named, slot, jnp.where(live, batch.start_pos + i, -1))
+        ti = meta.row_offset + i
+        live = on & (ti < t)
+        write = jnp.where(live[None, :], meta.write_slot[:, jnp.clip(ti, 0, t - 1)], -1)
+        ctx = _Ctx(
+            cfg,
+            plan,
+            impl,
+            meta,
+            table_buffer,
+            columns,
+            jnp.where(live, slot, -1),
+            jnp.where(live, meta.row_start + i, -1),
+            jnp.where(live, rows, -1),
+            write,
+        )
         g = L.mtp_input(mp, params.embed[tok], hid, cfg)
         g = _layer(ctx, loop_ed, mp.layer, g, layer, 0, "mtp_swa_kv")
         logits = L.logits_of(params.head, mp.final_norm, g, cfg)
@@ -475,25 +544,36 @@ def propose(
 
     init = (
         tuple(ed.arrays[gi][0]),
-        jnp.where(live, batch.tokens, 0),
-        batch.prev_hidden,
-        jnp.zeros((r, num_draft), jnp.int32),
-        jnp.zeros((r, num_draft, cfg.vocab), jnp.float32),
+        jnp.where(on, batch.tokens[safe], 0),
+        batch.prev_hidden[safe],
+        jnp.zeros((s, num_draft), jnp.int32),
+        jnp.zeros((s, num_draft, cfg.vocab), jnp.float32),
     )
     flat, _, _, out_tok, out_logits = jax.lax.fori_loop(0, num_draft, body, init)
     ed.arrays[gi] = [list(flat)]
     return DraftOutput(tokens=out_tok, logits=out_logits), ed.pools()
 
 
-def make_step(cfg: ModelConfig, plan: CachePlan, *, impl: Impl | str = Impl.REFERENCE):
-    """``jax.jit`` of :func:`step` for one (cfg, plan): ``fn(params, pools, batch, meta)``.
+def make_step(
+    cfg: ModelConfig,
+    plan: CachePlan,
+    *,
+    max_count: int | None = None,
+    impl: Impl | str = Impl.REFERENCE,
+):
+    """``jax.jit`` of :func:`step` for one (cfg, plan): ``fn(params, pools, batch, meta,
+    table_buffer)``.
 
     ``pools`` (argument 1) is donated: the step updates the pools in place and the caller must
     use the returned pools. Every batch composition of the plan's fixed shapes reuses one
-    compilation.
+    compilation (per metadata row count, i.e. per tuple of results given to ``step_metadata``).
     """
     check_plan(cfg, plan)
-    return jax.jit(functools.partial(step, cfg=cfg, plan=plan, impl=Impl(impl)), donate_argnums=1)
+    mc = resolve_max_count(plan, max_count)
+    return jax.jit(
+        functools.partial(step, cfg=cfg, plan=plan, max_count=mc, impl=Impl(impl)),
+        donate_argnums=1,
+    )
 
 
 def make_propose(
@@ -501,15 +581,18 @@ def make_propose(
     plan: CachePlan,
     *,
     num_draft: int | None = None,
+    max_count: int | None = None,
     impl: Impl | str = Impl.REFERENCE,
 ):
-    """``jax.jit`` of :func:`propose`: ``fn(params, pools, batch, tables, zero_pages)``, pools donated.
+    """``jax.jit`` of :func:`propose`: ``fn(params, pools, batch, meta, table_buffer)``, pools
+    donated.
 
     ``num_draft`` defaults to ``plan.limits.verify_width``.
     """
     check_plan(cfg, plan)
     k = plan.limits.verify_width if num_draft is None else num_draft
+    mc = resolve_max_count(plan, max_count)
     return jax.jit(
-        functools.partial(propose, cfg=cfg, plan=plan, num_draft=k, impl=Impl(impl)),
+        functools.partial(propose, cfg=cfg, plan=plan, num_draft=k, max_count=mc, impl=Impl(impl)),
         donate_argnums=1,
     )

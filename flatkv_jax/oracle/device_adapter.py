@@ -8,9 +8,11 @@ written with ``kernels_pallas.write_rows`` at ``slot = page * rows_per_page + ro
 from the device tables, so the logical view read back by :meth:`DeviceBackend.view` is what
 a model step would see.
 
-Prefix reuse: if the coordinator's ``AdmitBatch`` has no ``tokens`` field yet (issue 5 not
-integrated), prompts and step tokens are not passed and :attr:`DeviceBackend.prefix_reuse` is
-False; compare it with ``RadixOracle(plan, prefix_reuse=False)``.
+Prefix reuse: with ``prefix_reuse`` (the default once the coordinator's ``AdmitBatch`` has a
+``tokens`` field) admit passes the prompts and namespaces and extend the step's tokens, so the
+coordinator matches and publishes; without, it passes none (the coordinator then never hits):
+compare it with ``RadixOracle(plan, prefix_reuse=False)``. Many traces at once:
+:mod:`flatkv_jax.oracle.lockstep`.
 """
 
 from __future__ import annotations
@@ -83,9 +85,17 @@ class DeviceBackend:
       plan: the cache plan.
       fifo_depth: in-flight steps per request (as ``create_state``).
       max_count: the ops' static per-row token bound (default as the coordinator's).
+      prefix_reuse: pass tokens (default: whether the coordinator's batches have them).
     """
 
-    def __init__(self, plan: CachePlan, *, fifo_depth: int = 2, max_count: int | None = None):
+    def __init__(
+        self,
+        plan: CachePlan,
+        *,
+        fifo_depth: int = 2,
+        max_count: int | None = None,
+        prefix_reuse: bool | None = None,
+    ):
         if not isinstance(plan, CachePlan):
             fail(
                 "plan",
@@ -97,7 +107,15 @@ class DeviceBackend:
         self.plan = plan
         self.fifo_depth = fifo_depth
         self.max_count = max_count
-        self.prefix_reuse = "tokens" in {f.name for f in dataclasses.fields(coord.AdmitBatch)}
+        has = "tokens" in {f.name for f in dataclasses.fields(coord.AdmitBatch)}
+        if prefix_reuse and not has:
+            fail(
+                "prefix_reuse",
+                prefix_reuse,
+                "the coordinator's AdmitBatch has no tokens field (no prefix index)",
+                "pass prefix_reuse=False",
+            )
+        self.prefix_reuse = has if prefix_reuse is None else bool(prefix_reuse)
         lim = plan.limits
         # Rows one op can write per group: every valid row, every token it schedules.
         self._write_rows = lim.max_requests * max(lim.chunk_tokens, lim.decode_tokens)

@@ -2,6 +2,10 @@
 
     python -m flatkv_jax.oracle.long_run --ops 100000                  # oracle vs oracle
     python -m flatkv_jax.oracle.long_run --ops 100000 --device         # oracle vs coordinator
+    python -m flatkv_jax.oracle.long_run --ops 100000 --device --no-prefix
+
+``--device`` runs ``--lanes`` traces at a time in lockstep (:mod:`flatkv_jax.oracle.lockstep`);
+prefix reuse is on when the coordinator has the prefix index, unless ``--no-prefix``.
 
 Traces are seeded ``--seed``, ``--seed + 1``, ...; the run stops at the first divergence
 and prints it (exit status 1), else prints the totals (exit status 0).
@@ -46,18 +50,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace-ops", type=int, default=40, help="operations per trace")
     ap.add_argument("--seed", type=int, default=10_000, help="seed of the first trace")
     ap.add_argument("--device", action="store_true", help="compare with the device coordinator")
+    ap.add_argument("--lanes", type=int, default=256, help="device traces run in lockstep")
+    ap.add_argument("--no-prefix", action="store_true", help="device: pass no tokens (no hits)")
     args = ap.parse_args(argv)
     plan = diff_plan()
-    if args.device:
-        from flatkv_jax.oracle.device_adapter import DeviceBackend
-
-        other = DeviceBackend(plan)
-        names = ("oracle", "device")
-    else:
-        other = RadixOracle(plan)
-        names = ("oracle", "oracle2")
-    oracle = RadixOracle(plan, prefix_reuse=getattr(other, "prefix_reuse", True))
     cfg = TraceConfig(num_ops=args.trace_ops)
+    if args.device:
+        return _device(plan, cfg, args)
+    other = RadixOracle(plan)
+    names = ("oracle", "oracle2")
+    oracle = RadixOracle(plan)
     total = traces = hits = prompt = 0
     t0 = time.perf_counter()
     seed = args.seed
@@ -74,6 +76,34 @@ def main(argv: list[str] | None = None) -> int:
     dt = time.perf_counter() - t0
     print(
         f"{traces} traces, {total} ops, 0 divergences, hit rate {hits / max(prompt, 1):.3f}, {dt:.1f} s ({1e3 * dt / total:.2f} ms/op)"
+    )
+    return 0
+
+
+def _device(plan, cfg: TraceConfig, args) -> int:
+    from flatkv_jax.oracle.lockstep import LockstepDevice, run_lockstep
+
+    dev = LockstepDevice(plan, args.lanes, prefix_reuse=False if args.no_prefix else None)
+    total = traces = hits = prompt = 0
+    t0 = time.perf_counter()
+    seed = args.seed
+    while total < args.ops:
+        n = min(args.lanes, -(-(args.ops - total) // max(cfg.num_ops, 1)))
+        batch = [random_trace(plan, seed + i, cfg) for i in range(n)]
+        seed += n
+        for rep in run_lockstep(batch, dev):
+            total += rep.ops
+            traces += 1
+            hits += rep.hit_tokens
+            prompt += rep.prompt_tokens
+            if not rep.ok:
+                print(rep.divergence)
+                return 1
+    dt = time.perf_counter() - t0
+    print(
+        f"{traces} traces, {total} ops, 0 divergences (device, prefix "
+        f"{'on' if dev.prefix_reuse else 'off'}), hit rate {hits / max(prompt, 1):.3f}, "
+        f"{dt:.1f} s ({1e3 * dt / max(total, 1):.2f} ms/op incl. compilation)"
     )
     return 0
 

@@ -240,7 +240,12 @@ def evictable(lru: CachedLRU) -> jax.Array:
 
 
 def evict(
-    lru: CachedLRU, index: index_lib.PrefixIndex, n: jax.Array, *, max_pages: int
+    lru: CachedLRU,
+    index: index_lib.PrefixIndex,
+    n: jax.Array,
+    *,
+    max_pages: int,
+    pinned: jax.Array | None = None,
 ) -> tuple[CachedLRU, index_lib.PrefixIndex, jax.Array, jax.Array]:
     """Evicts the ``n`` least recently released cached-only pages (LRU first).
 
@@ -250,8 +255,12 @@ def evict(
     Args:
       lru: the pool's LRU.
       index: the same pool's prefix index.
-      n: int32[] pages wanted; clipped to ``[0, min(count, max_pages)]``.
+      n: int32[] pages wanted; clipped to ``[0, min(count, max_pages)]`` (with ``pinned``,
+        pages beyond the unpinned ones are simply not found).
       max_pages: static bound on pages per call (the output width).
+      pinned: optional bool[num_pages]: pages that must not be evicted (matched by the
+        admission in progress). They keep their place in the LRU order: the head stops at the
+        first pinned entry and the pages evicted behind it leave stale entries.
 
     Returns:
       ``(lru, index, pages, evicted)``: ``pages`` int32[max_pages] in LRU order, padded with -1;
@@ -265,24 +274,45 @@ def evict(
     j = jnp.arange(chunk, dtype=jnp.uint32)
 
     def cond(carry):
-        head, _, got = carry
-        return (got < n) & (head != lru.tail)
+        cursor, _, _, _, got = carry
+        return (got < n) & (cursor != lru.tail)
 
     def body(carry):
-        head, out, got = carry
-        page, live = _live(lru, head + j, j < lru.tail - head)
+        cursor, head, stopped, out, got = carry
+        page, live = _live(lru, cursor + j, j < lru.tail - cursor)
+        keep = live & pinned[page] if pinned is not None else jnp.zeros_like(live)
+        live = live & ~keep
         nth = jnp.cumsum(live.astype(jnp.int32))
         take = live & (nth <= n - got)
         out = out.at[jnp.where(take, got + nth - 1, max_pages)].set(page, mode="drop")
         done = nth[-1] >= n - got
         last = jnp.argmax(take & (nth == n - got)).astype(jnp.uint32)  # entry of the final page
         step = jnp.where(
-            done, last + jnp.uint32(1), jnp.minimum(jnp.uint32(chunk), lru.tail - head)
+            done, last + jnp.uint32(1), jnp.minimum(jnp.uint32(chunk), lru.tail - cursor)
         )
-        return head + step, out, got + jnp.sum(take, dtype=jnp.int32)
+        # The head may not pass a pinned live entry (it must stay in the ring).
+        kept = keep & (j < step)
+        head = jnp.where(
+            stopped,
+            head,
+            jnp.where(jnp.any(kept), cursor + jnp.argmax(kept).astype(jnp.uint32), cursor + step),
+        )
+        return (
+            cursor + step,
+            head,
+            stopped | jnp.any(kept),
+            out,
+            got + jnp.sum(take, dtype=jnp.int32),
+        )
 
-    init = (lru.head, jnp.full((max_pages,), -1, jnp.int32), jnp.zeros((), jnp.int32))
-    head, out, got = jax.lax.while_loop(cond, body, init)
+    init = (
+        lru.head,
+        lru.head,
+        jnp.zeros((), bool),
+        jnp.full((max_pages,), -1, jnp.int32),
+        jnp.zeros((), jnp.int32),
+    )
+    _, head, _, out, got = jax.lax.while_loop(cond, body, init)
     taken = out >= 0
     lru = dataclasses.replace(
         lru,

@@ -1,27 +1,32 @@
-"""Test harness: a trivial host allocator and a tiny serving loop around the cached step.
+"""Test harness: a tiny serving loop driving the cached step through the real coordinator.
 
-``HostCache`` keeps absolute tables the way docs/semantics.md describes them (``-1`` not
-allocated, ``0`` hole, ``>= 1`` page), hands out pages from per-pool free lists, lists every
-page it hands out in the next step's zero list, reclaims window slots below
-``lo = max(0, (c - W + 1) // B)`` and can share a prefix of another live request (what a prefix
-hit produces). ``Engine`` drives chunked prefill, decode and MTP verify rounds through the
-jitted step and records what each accepted position produced, for comparison with
-``dense_forward``.
+``Engine`` runs every step the way a serving stack would: ``admit`` (a new request's first
+chunk) and ``extend`` (everyone else) -> ``step_metadata`` -> (``propose``) -> ``step`` ->
+``retire`` (accepted tokens; fewer than scheduled rewinds) -> ``reclaim``; ``release`` retracts.
+Each step passes exactly one extend result and one admit result to ``step_metadata`` (either
+may be empty), so the step has one shape and compiles once. The engine records what each
+accepted position produced, for comparison with ``dense_forward``.
+
+``share_prefix`` is the one piece of test allocator left: until the coordinator matches
+prefixes itself, it writes into the coordinator state exactly what a prefix hit produces (the
+donor's pages in the new request's tables, one more reference each, ``lo``/``hi``, ``n = c =
+h``) and ``check_state`` verifies the result.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax.numpy as jnp
 import numpy as np
 
 from flatkv_jax import ServingLimits, plan_with_pages
-from flatkv_jax.groups import Owner
+from flatkv_jax.coordinator import ReleaseMode, create_state, host, ops, step_metadata
+from flatkv_jax.coordinator.audit import check_state, page_counts
 from flatkv_jax.model import (
     DraftBatch,
     StepBatch,
-    StepMeta,
     dense_forward,
     init_params,
     make_propose,
@@ -29,6 +34,7 @@ from flatkv_jax.model import (
 )
 from flatkv_jax.pools import create_pools
 from flatkv_jax.recipes.deepseek_v4 import deepseek_v4_groups
+from flatkv_jax.status import Status
 
 TOL = 1e-5
 #: Quantized formats: a 1-ulp fp32 difference can flip one quantized code (measured <= 6e-5).
@@ -79,114 +85,59 @@ def dense(params, cfg, plan, tokens):
     )
 
 
-class HostCache:
-    """Per-group free lists, refcounts and absolute tables for every request slot."""
+def share_prefix(plan, state, dst: int, src: int, h: int):
+    """What a prefix hit of ``h`` tokens from request slot ``src`` gives request slot ``dst``
+    (admitted with no chunk): the donor's pages for ``[0, h)`` (window groups from ``lo(h) =
+    max(0, (h - W + 1) // B)``, holes below), one more reference each, ``n = c = h``."""
+    lay = state.layout
+    tb = np.array(state.table_buffer)
+    rc = np.array(state.allocator.refcount)
+    lo, hi = np.array(state.lo), np.array(state.hi)
+    for gi, g in enumerate(plan.groups):
+        b, w, off = g.block_tokens, lay.table_width[gi], lay.table_offset[gi]
+        assert h % b == 0, (g.name, h, b)
+        first = max(0, (h - g.window + 1) // b) if g.is_window else 0
+        d, s = tb[off + dst * w : off + (dst + 1) * w], tb[off + src * w : off + (src + 1) * w]
+        assert (d == -1).all() and (s[first : h // b] >= 1).all(), g.name
+        d[:first] = 0
+        d[first : h // b] = s[first : h // b]
+        rc[lay.pools.page_offset[gi] + d[first : h // b]] += 1
+        lo[gi, dst], hi[gi, dst] = first, h // b
+    ext = np.array(state.extent)
+    ext[dst] = h
+    state = dataclasses.replace(
+        state,
+        table_buffer=jnp.asarray(tb),
+        allocator=dataclasses.replace(state.allocator, refcount=jnp.asarray(rc)),
+        lo=jnp.asarray(lo),
+        hi=jnp.asarray(hi),
+        extent=jnp.asarray(ext),
+        committed=jnp.asarray(ext.copy()),
+    )
+    check_state(plan, state, shared_ok=True)
+    return state
 
-    def __init__(self, plan):
-        self.plan = plan
-        r = plan.limits.max_requests
-        self.tables = [np.full(plan.table_shape(g), -1, np.int32) for g in plan.groups]
-        # pop() hands out the lowest id first; freed pages go to the end and are reused first.
-        self.free = [list(range(plan.pages(g) - 2, 0, -1)) for g in plan.groups]
-        self.ref = [np.zeros(plan.pages(g), np.int32) for g in plan.groups]
-        self.n = np.zeros(r, np.int64)
-        self.c = np.zeros(r, np.int64)
-        self.live = np.zeros(r, bool)
-        self.zero = [[] for _ in plan.groups]
-        self.used = [set() for _ in plan.groups]
-        self.recycled = 0  # pages handed out that had been used before
 
-    def admit(self) -> int:
-        slot = int(np.flatnonzero(~self.live)[0])
-        self.live[slot] = True
-        self.n[slot] = self.c[slot] = 0
-        return slot
-
-    def share_prefix(self, dst: int, src: int, h: int) -> None:
-        """Point ``dst``'s tables at ``src``'s pages for the prefix ``[0, h)`` (a prefix hit)."""
-        for gi, g in enumerate(self.plan.groups):
-            b = g.block_tokens
-            assert h % b == 0
-            lo = max(0, (h - g.window) // b) if g.is_window else 0
-            self.tables[gi][dst, :lo] = 0
-            for i in range(lo, h // b):
-                page = self.tables[gi][src, i]
-                assert page >= 1, (g.name, i)
-                self.tables[gi][dst, i] = page
-                self.ref[gi][page] += 1
-        self.n[dst] = self.c[dst] = h
-
-    def extend(self, slot: int, count: int) -> None:
-        n = int(self.n[slot])
-        for gi, g in enumerate(self.plan.groups):
-            b = g.block_tokens
-            for i in range(n // b, (n + count - 1) // b + 1):
-                if self.tables[gi][slot, i] < 1:
-                    page = self.free[gi].pop()
-                    self.recycled += page in self.used[gi]
-                    self.used[gi].add(page)
-                    self.tables[gi][slot, i] = page
-                    self.ref[gi][page] = 1
-                    self.zero[gi].append(page)
-        self.n[slot] = n + count
-
-    def commit(self, slot: int, c: int) -> None:
-        """Accepts positions ``[0, c)`` and rewinds the extent to ``c`` (pages are kept)."""
-        self.c[slot] = self.n[slot] = c
-
-    def _decref(self, gi: int, page: int) -> None:
-        self.ref[gi][page] -= 1
-        if self.ref[gi][page] == 0:
-            self.free[gi].append(page)
-
-    def reclaim(self, slot: int) -> None:
-        for gi, g in enumerate(self.plan.groups):
-            if not g.is_window:
-                continue
-            lo = max(0, (int(self.c[slot]) - g.window + 1) // g.block_tokens)
-            for i in range(lo):
-                page = self.tables[gi][slot, i]
-                if page >= 1:
-                    self._decref(gi, page)
-                    self.tables[gi][slot, i] = 0
-
-    def release(self, slot: int) -> None:
-        for gi in range(len(self.plan.groups)):
-            for page in self.tables[gi][slot]:
-                if page >= 1:
-                    self._decref(gi, page)
-            self.tables[gi][slot] = -1
-        self.live[slot] = False
-
-    def zero_lists(self, owners=None):
-        """Pads and clears the pending zero lists (only groups owned by ``owners``, if given)."""
-        out = []
-        for gi, g in enumerate(self.plan.groups):
-            k = self.plan.usable_pages(g)
-            ids = np.full(k, -1, np.int32)
-            if owners is None or g.owner in owners:
-                ids[: len(self.zero[gi])] = self.zero[gi]
-                self.zero[gi] = []
-            out.append(jnp.asarray(ids))
-        return tuple(out)
-
-    def table_arrays(self):
-        return tuple(jnp.asarray(t) for t in self.tables)
-
-    def in_use(self, gi: int) -> int:
-        return int((self.ref[gi] > 0).sum())
+def _ok(result, n: int, what: str) -> None:
+    got = host.statuses(result, n)
+    assert got == [Status.OK] * n, (what, got)
 
 
 class Engine:
-    """A minimal serving loop: prefill chunks, decode, MTP verify rounds, retract."""
+    """A minimal serving loop over the real coordinator: prefill chunks, decode, MTP verify
+    rounds, retract. Requests are named by engine ids (``admit``'s return value)."""
 
-    def __init__(self, cfg, plan, params, *, pools=None, rng=None):
+    def __init__(self, cfg, plan, params, *, pools=None, rng=None, publish=False):
+        """``publish``: pass token ids to admit/extend (prefix matching and publishing)."""
         self.cfg, self.plan, self.params = cfg, plan, params
-        self.cache = HostCache(plan)
+        self.publish = publish
+        self.by_prefix: dict[tuple[int, ...], np.ndarray] = {}  # hidden of a prefix's last token
+        self.state = create_state(plan)
         self.pools = create_pools(plan) if pools is None else pools
         self.step_fn, self.propose_fn = jitted(cfg, plan)
         self.k = plan.limits.verify_width
         self.rng = rng if rng is not None else np.random.default_rng(0)
+        self.handle: dict[int, tuple[int, int] | None] = {}  # None: admitted by its first step
         self.seq: dict[int, list[int]] = {}
         self.logits: dict[int, dict[int, np.ndarray]] = {}
         self.draft: dict[int, dict[int, np.ndarray]] = {}
@@ -194,150 +145,227 @@ class Engine:
         self.proposed: dict[int, dict[int, np.ndarray]] = {}
         self.first: dict[int, int] = {}  # first position this request computed itself
         self.steps = 0
+        self.zeroed = [set() for _ in plan.groups]
+        self.recycled = 0  # zero-listed pages that had been handed out before
 
     # --- requests -------------------------------------------------------------------------
     def admit(self, prompt, *, share_from: int | None = None, hit: int = 0) -> int:
-        slot = self.cache.admit()
-        self.seq[slot] = list(prompt)
+        """A new request; it is admitted by the first step that schedules it (its first chunk
+        rides in that step's admit batch), or at once when it takes a prefix from
+        ``share_from``."""
+        rid = len(self.seq)
+        self.seq[rid] = list(prompt)
         for d in (self.logits, self.draft, self.hidden, self.proposed):
-            d[slot] = {}
+            d[rid] = {}
+        self.handle[rid] = None
+        self.first[rid] = hit
         if share_from is not None and hit:
-            assert self.seq[share_from][:hit] == self.seq[slot][:hit]
-            self.cache.share_prefix(slot, share_from, hit)
+            assert self.seq[share_from][:hit] == self.seq[rid][:hit]
+            self.state, res = ops.admit(
+                self.plan, self.state, host.admit_batch(self.plan, [(len(prompt), 0)])
+            )
+            _ok(res, 1, "admit")
+            self.handle[rid] = host.handles(res, 1)[0]
+            src = self.handle[share_from][0]
+            self.state = share_prefix(self.plan, self.state, self.handle[rid][0], src, hit)
             # The engine carries the target hidden of h - 1 for the MTP layer (see docs/model.md).
-            self.hidden[slot][hit - 1] = self.hidden[share_from][hit - 1]
-        self.first[slot] = hit
-        return slot
+            self.hidden[rid][hit - 1] = self.hidden[share_from][hit - 1]
+        return rid
 
-    def retract(self, slot: int) -> list[int]:
-        """Frees the request; returns its accepted tokens (to readmit it later)."""
-        tokens = self.seq[slot][: int(self.cache.c[slot]) + 1]
-        self.cache.release(slot)
+    def live(self) -> list[int]:
+        """Requests not retracted (admitted or waiting for their first step)."""
+        return list(self.handle)
+
+    def n(self, rid: int) -> int:
+        h = self.handle[rid]
+        return 0 if h is None else int(np.asarray(self.state.extent)[h[0]])
+
+    def c(self, rid: int) -> int:
+        h = self.handle[rid]
+        return 0 if h is None else int(np.asarray(self.state.committed)[h[0]])
+
+    def retract(self, rid: int) -> list[int]:
+        """Releases the request (RETRACT); returns its accepted tokens (to readmit it later)."""
+        tokens = self.seq[rid][: self.c(rid) + 1]
+        if self.handle[rid] is not None:
+            self.state, res = ops.release(
+                self.plan,
+                self.state,
+                host.release_batch(self.plan, [(self.handle[rid], ReleaseMode.RETRACT)]),
+            )
+            _ok(res, 1, "release")
+        del self.handle[rid]
         return tokens
 
-    def _prev_hidden(self, slots_starts):
-        prev = np.zeros((self.plan.limits.max_requests, self.cfg.hidden), np.float32)
-        for slot, start in slots_starts:
-            if start > 0:
-                prev[slot] = self.hidden[slot][start - 1]
-        return jnp.asarray(prev)
+    def in_use(self, group: str) -> int:
+        return page_counts(self.plan, self.state)[group].in_use
 
     # --- steps ----------------------------------------------------------------------------
-    def _run(self, items, draft_zeroed: bool):
-        """One step over ``items = [(slot, start, tokens)]``; returns the StepOutput as numpy."""
-        s = self.plan.limits.step_tokens
-        tok = np.zeros(s, np.int32)
-        tslot = np.full(s, -1, np.int32)
-        tpos = np.full(s, -1, np.int32)
-        i = 0
-        for slot, start, tokens in items:
-            m = len(tokens)
-            tok[i : i + m] = tokens
-            tslot[i : i + m] = slot
-            tpos[i : i + m] = np.arange(start, start + m)
-            i += m
-        assert i <= s
-        owners = {Owner.TARGET} if draft_zeroed else None
-        meta = StepMeta(
-            token_slot=jnp.asarray(tslot),
-            token_pos=jnp.asarray(tpos),
-            tables=self.cache.table_arrays(),
-            zero_pages=self.cache.zero_lists(owners),
-        )
-        batch = StepBatch(
-            tokens=jnp.asarray(tok), prev_hidden=self._prev_hidden([(a, b) for a, b, _ in items])
-        )
-        out, self.pools = self.step_fn(self.params, self.pools, batch, meta)
+    def _schedule(self, work):
+        """extend + admit for ``work = [(rid, count)]``; returns the step metadata and the
+        engine id of each step row (extend rows first, then admit rows)."""
+        r = self.plan.limits.max_requests
+        ext = [(rid, n) for rid, n in work if self.handle[rid] is not None]
+        adm = [(rid, n) for rid, n in work if self.handle[rid] is None]
+        eb = host.extend_batch(self.plan, [(self.handle[rid], n) for rid, n in ext])
+        ab = host.admit_batch(self.plan, [(len(self.seq[rid]), n) for rid, n in adm])
+        if self.publish:
+            mc = max(self.plan.limits.chunk_tokens, self.plan.limits.decode_tokens)
+            et = np.zeros((r, mc), np.int32)
+            for i, (rid, n) in enumerate(ext):
+                start = self.n(rid)
+                et[i, :n] = self.seq[rid][start : start + n]
+            at = np.zeros((r, self.plan.limits.max_context), np.int32)
+            for i, (rid, _) in enumerate(adm):
+                at[i, : len(self.seq[rid])] = self.seq[rid]
+            eb = dataclasses.replace(eb, tokens=jnp.asarray(et))
+            ab = dataclasses.replace(
+                ab, tokens=jnp.asarray(at), namespace=jnp.zeros((r,), jnp.int32)
+            )
+        self.state, er = ops.extend(self.plan, self.state, eb)
+        _ok(er, len(ext), "extend")
+        self.state, ar = ops.admit(self.plan, self.state, ab)
+        _ok(ar, len(adm), "admit")
+        hits = np.asarray(ar.hit)
+        for i, ((rid, _), h) in enumerate(zip(adm, host.handles(ar, len(adm)), strict=True)):
+            self.handle[rid] = h
+            self.first[rid] = int(hits[i])
+        md = step_metadata(self.plan, self.state, (er, ar))
+        assert not bool(md.overflow)
+        zero = np.asarray(md.zero)
+        for gi, ids in enumerate(zero):
+            for page in ids[ids >= 0].tolist():
+                self.recycled += page in self.zeroed[gi]
+                self.zeroed[gi].add(page)
+        rows = [rid for rid, _ in ext] + [None] * (r - len(ext))
+        rows += [rid for rid, _ in adm] + [None] * (r - len(adm))
+        return md, rows
+
+    def _prev_hidden(self, md, rows):
+        prev = np.zeros((self.plan.limits.max_requests, self.cfg.hidden), np.float32)
+        row_slot, row_start = np.asarray(md.row_slot), np.asarray(md.row_start)
+        for i, (slot, start) in enumerate(zip(row_slot, row_start, strict=True)):
+            if slot >= 0 and start > 0:
+                rid, p = rows[i], int(start) - 1
+                # After a prefix hit the engine takes h_{h-1} from whoever computed that prefix.
+                got = self.hidden[rid].get(p)
+                prev[slot] = self.by_prefix[tuple(self.seq[rid][: p + 1])] if got is None else got
+        return jnp.asarray(prev)
+
+    def _step(self, md, rows, token_of):
+        """The target step over the metadata's tokens; ``token_of(row, rid, pos)``."""
+        tok = np.zeros(self.plan.limits.step_tokens, np.int32)
+        trow, tpos = np.asarray(md.token_row), np.asarray(md.token_pos)
+        for t in np.flatnonzero(trow >= 0):
+            tok[t] = token_of(int(trow[t]), rows[trow[t]], int(tpos[t]))
+        batch = StepBatch(tokens=jnp.asarray(tok), prev_hidden=self._prev_hidden(md, rows))
+        out, self.pools = self.step_fn(self.params, self.pools, batch, md, self.state.table_buffer)
         self.steps += 1
-        logits = np.asarray(out.logits)
-        hidden = np.asarray(out.hidden)
+        logits, hidden = np.asarray(out.logits), np.asarray(out.hidden)
         draft = None if out.draft_logits is None else np.asarray(out.draft_logits)
-        i = 0
-        for slot, start, tokens in items:
-            for j in range(len(tokens)):
-                self.logits[slot][start + j] = logits[i + j]
-                self.hidden[slot][start + j] = hidden[i + j]
-                if draft is not None:
-                    self.draft[slot][start + j] = draft[i + j]
-            i += len(tokens)
+        for t in np.flatnonzero(trow >= 0):
+            rid, p = rows[trow[t]], int(tpos[t])
+            self.logits[rid][p] = logits[t]
+            self.hidden[rid][p] = hidden[t]
+            if self.publish:
+                self.by_prefix[tuple(self.seq[rid][: p + 1])] = hidden[t]
+            if draft is not None:
+                self.draft[rid][p] = draft[t]
+
+    def _finish(self, accepted):
+        """retire (``accepted = {rid: tokens}``) and reclaim."""
+        hs = [(self.handle[rid], a) for rid, a in accepted.items()]
+        self.state, res = ops.retire(self.plan, self.state, host.retire_batch(self.plan, hs))
+        _ok(res, len(hs), "retire")
+        self.state, res = ops.reclaim(
+            self.plan, self.state, host.handle_batch(self.plan, [h for h, _ in hs])
+        )
+        _ok(res, len(hs), "reclaim")
 
     def run(self, work):
-        """One step of plain work: ``[(slot, count)]``; every token is accepted.
+        """One step of plain work: ``[(rid, count)]``; every token is accepted.
 
         Prefill tokens come from the prompt; past the prompt each request generates greedily
         (a count > 1 past the prompt is not allowed: the token is not known yet).
         """
-        items = []
-        for slot, count in work:
-            n = int(self.cache.n[slot])
-            assert n + count <= len(self.seq[slot]), "cannot prefill unknown tokens"
-            self.cache.extend(slot, count)
-            items.append((slot, n, self.seq[slot][n : n + count]))
-        self._run(items, draft_zeroed=False)
-        for slot, n, tokens in items:
-            c = n + len(tokens)
-            self.cache.commit(slot, c)
-            self.cache.reclaim(slot)
-            if c == len(self.seq[slot]):
-                self.seq[slot].append(int(np.argmax(self.logits[slot][c - 1])))
+        for rid, count in work:
+            assert self.n(rid) + count <= len(self.seq[rid]), "cannot prefill unknown tokens"
+        md, rows = self._schedule(work)
+        self._step(md, rows, lambda i, rid, p: self.seq[rid][p])
+        # A prefix hit clips an admitted chunk: retire what each row actually scheduled.
+        count = np.asarray(md.row_count)
+        self._finish({rid: int(count[i]) for i, rid in enumerate(rows) if rid is not None})
+        for rid, _ in work:
+            c = self.c(rid)
+            assert self.first[rid] < c
+            if c == len(self.seq[rid]):
+                self.seq[rid].append(int(np.argmax(self.logits[rid][c - 1])))
 
-    def verify(self, slots, accept=None):
-        """One speculative round for each of ``slots`` (each must be past its prompt).
+    def verify(self, rids, accept=None):
+        """One speculative round for each of ``rids`` (each must be past its prompt).
 
         The MTP layer proposes k tokens, the target verifies ``1 + k`` positions, ``accept``
-        (default: random) drafts are accepted and the target's next token is appended.
+        (default: random) drafts are accepted (``retire`` with ``a + 1``: fewer than ``1 + k``
+        rewinds) and the target's next token is appended.
         """
         r = self.plan.limits.max_requests
+        for rid in rids:
+            assert self.n(rid) == len(self.seq[rid]) - 1
+        md, rows = self._schedule([(rid, 1 + self.k) for rid in rids])
         tokens = np.zeros(r, np.int32)
-        start = np.full(r, -1, np.int32)
-        for slot in slots:
-            n = int(self.cache.n[slot])
-            assert n == len(self.seq[slot]) - 1
-            tokens[slot], start[slot] = self.seq[slot][n], n
-            self.cache.extend(slot, 1 + self.k)
+        active = np.zeros(r, bool)
+        row_slot, row_start = np.asarray(md.row_slot), np.asarray(md.row_start)
+        for i, rid in enumerate(rows):
+            if rid is not None:
+                tokens[row_slot[i]], active[row_slot[i]] = self.seq[rid][row_start[i]], True
         batch = DraftBatch(
             tokens=jnp.asarray(tokens),
-            start_pos=jnp.asarray(start),
-            prev_hidden=self._prev_hidden([(s, int(start[s])) for s in slots]),
+            prev_hidden=self._prev_hidden(md, rows),
+            active=jnp.asarray(active),
         )
-        tables = self.cache.table_arrays()
-        zeros = self.cache.zero_lists({Owner.DRAFT})
-        out, self.pools = self.propose_fn(self.params, self.pools, batch, tables, zeros)
-        drafts = np.asarray(out.tokens)
-        prop_logits = np.asarray(out.logits)
-        items = []
-        for slot in slots:
-            n = int(start[slot])
-            self.proposed[slot][n] = prop_logits[slot, 0]
-            items.append((slot, n, [self.seq[slot][n], *drafts[slot].tolist()]))
-        self._run(items, draft_zeroed=True)
+        out, self.pools = self.propose_fn(
+            self.params, self.pools, batch, md, self.state.table_buffer
+        )
+        drafts, prop_logits = np.asarray(out.tokens), np.asarray(out.logits)
+        block = {}
+        for i, rid in enumerate(rows):
+            if rid is not None:
+                n = int(row_start[i])
+                self.proposed[rid][n] = prop_logits[i, 0]
+                block[rid] = (n, [self.seq[rid][n], *drafts[i].tolist()])
+        self._step(md, rows, lambda i, rid, p: block[rid][1][p - block[rid][0]])
         accepted = {}
-        for slot, n, toks in items:
+        for rid, (_, toks) in block.items():
             a = int(self.rng.integers(0, self.k + 1)) if accept is None else accept
-            self.seq[slot] += toks[1 : 1 + a]
-            c = n + a + 1
-            self.seq[slot].append(int(np.argmax(self.logits[slot][c - 1])))
-            self.cache.commit(slot, c)
-            self.cache.reclaim(slot)
-            accepted[slot] = a
+            self.seq[rid] += toks[1 : 1 + a]
+            accepted[rid] = a
+        self._finish({rid: a + 1 for rid, a in accepted.items()})
+        for rid, (n, _) in block.items():
+            c = self.c(rid)
+            assert c == n + accepted[rid] + 1
+            self.seq[rid].append(int(np.argmax(self.logits[rid][c - 1])))
         return accepted
 
     # --- checks ---------------------------------------------------------------------------
-    def check_parity(self, slot: int, tol: float = TOL, draft: bool = True) -> float:
+    def check_parity(self, rid: int, tol: float = TOL, draft: bool = True) -> float:
         """Max |cached - dense| over the request's accepted, self-computed positions."""
-        c = int(self.cache.c[slot])
-        ref_logits, _, ref_draft = dense(self.params, self.cfg, self.plan, self.seq[slot][:c])
-        positions = range(self.first[slot], c)
-        got = np.stack([self.logits[slot][p] for p in positions])
-        err = float(np.abs(got - ref_logits[self.first[slot] : c]).max())
-        assert err <= tol, f"slot {slot}: target logits differ by {err}"
+        c = self.c(rid)
+        ref_logits, _, ref_draft = dense(self.params, self.cfg, self.plan, self.seq[rid][:c])
+        positions = range(self.first[rid], c)
+        got = np.stack([self.logits[rid][p] for p in positions])
+        err = float(np.abs(got - ref_logits[self.first[rid] : c]).max())
+        assert err <= tol, f"request {rid}: target logits differ by {err}"
         if draft and ref_draft is not None:
-            got = np.stack([self.draft[slot][p] for p in positions])
-            derr = float(np.abs(got - ref_draft[self.first[slot] : c]).max())
-            assert derr <= tol, f"slot {slot}: draft logits differ by {derr}"
-            for p, lg in self.proposed[slot].items():
+            got = np.stack([self.draft[rid][p] for p in positions])
+            derr = float(np.abs(got - ref_draft[self.first[rid] : c]).max())
+            assert derr <= tol, f"request {rid}: draft logits differ by {derr}"
+            for p, lg in self.proposed[rid].items():
                 if p < c:
                     perr = float(np.abs(lg - ref_draft[p]).max())
-                    assert perr <= tol, f"slot {slot}: first proposal at {p} differs by {perr}"
+                    assert perr <= tol, f"request {rid}: first proposal at {p} differs by {perr}"
             err = max(err, derr)
         return err
+
+    def check_state(self) -> None:
+        """Every coordinator invariant holds (pages may be shared after a prefix hit)."""
+        check_state(self.plan, self.state, shared_ok=True)

@@ -1,7 +1,8 @@
 """Cached execution == dense recomputation (fp32: max |logits error| <= 1e-5).
 
-Every scenario drives the jitted step (pools donated) through ``model_harness.Engine`` with
-tables from a trivial host allocator, then compares the target logits of every accepted
+Every scenario drives the jitted step (pools donated) through ``model_harness.Engine``, i.e.
+through the real coordinator (admit / extend / step_metadata / retire / reclaim / release) and
+its device metadata, then compares the target logits of every accepted
 position — and the MTP layer's logits, and the first draft proposal of every verify round —
 with ``dense_forward`` over the final sequence.
 
@@ -45,19 +46,21 @@ def test_decode_past_several_windows_reclaims_pages(fp32_setup, rng):
     e = Engine(s.cfg, s.plan, s.params)
     a = e.admit(_prompt(rng, 9))
     e.run([(a, 9)])
-    swa = s.plan.group_index("swa_kv")
     peak = 0
-    while e.cache.c[a] < 60:  # 7.5 windows of 8
+    while e.c(a) < 60:  # 7.5 windows of 8
         e.run([(a, 1)])
-        peak = max(peak, e.cache.in_use(swa))
+        peak = max(peak, e.in_use("swa_kv"))
     assert e.check_parity(a) <= TOL
     # The window group never holds more than the live blocks of one request ...
     assert peak <= s.plan.group("swa_kv").live_blocks(1)
     # ... so pages slid out of the window were reclaimed, zeroed and reused.
-    assert e.cache.recycled > 0
+    assert e.recycled > 0
+    e.check_state()
 
 
 def test_prefix_hit_from_another_request(fp32_setup, rng):
+    """The hit is written into the coordinator state by ``share_prefix`` (test allocator) until
+    the coordinator matches prefixes itself; test_model_coordinator.py has that version."""
     s = fp32_setup
     e = Engine(s.cfg, s.plan, s.params)
     shared = _prompt(rng, 16)
@@ -75,6 +78,7 @@ def test_prefix_hit_from_another_request(fp32_setup, rng):
     e.run([(donor, 1), (other, 1)])
     assert e.check_parity(donor) <= TOL
     assert e.check_parity(other) <= TOL
+    e.check_state()
 
 
 def test_mtp_rounds_with_random_acceptance_and_rewinds(fp32_setup, rng):
@@ -85,7 +89,7 @@ def test_mtp_rounds_with_random_acceptance_and_rewinds(fp32_setup, rng):
     e.run([(a, 12), (b, 3)])
     e.run([(a, 1), (b, 3)])
     accepted = []
-    while max(e.cache.c[a], e.cache.c[b]) < 50:
+    while max(e.c(a), e.c(b)) < 50:
         accepted += e.verify([a, b]).values()
     assert min(accepted) < s.plan.limits.verify_width  # some rounds rewound
     assert max(accepted) > 0
@@ -107,8 +111,8 @@ def test_retract_and_readmit(fp32_setup, rng):
     for _ in range(4):
         e.run([(b, 1)])
     a2 = e.admit(tokens)
-    while e.cache.n[a2] < len(tokens) - 1:
-        e.run([(a2, min(12, len(tokens) - 1 - int(e.cache.n[a2]))), (b, 1)])
+    while e.n(a2) < len(tokens) - 1:
+        e.run([(a2, min(12, len(tokens) - 1 - e.n(a2))), (b, 1)])
     e.run([(a2, 1)])
     e.verify([a2, b])
     assert e.seq[a2][: len(tokens)] == tokens
@@ -127,8 +131,8 @@ def test_batches_mixing_prefill_and_decode(fp32_setup, rng):
     e.run([(b, 9), (a, 1), (c, 6)])
     e.run([(c, 1), (b, 9), (a, 1)])
     e.run([(a, 1), (b, 1), (c, 1)])
-    for slot in (a, b, c):
-        assert e.check_parity(slot) <= TOL
+    for rid in (a, b, c):
+        assert e.check_parity(rid) <= TOL
 
 
 def test_poisoned_pools_are_never_read_outside_written_rows(fp32_setup, rng):
@@ -177,15 +181,15 @@ def test_random_schedules(fp32_setup, ops, seed):
     e = Engine(s.cfg, s.plan, s.params, rng=rng)
     limit = s.plan.limits.max_context - 4
     for op, arg in ops:
-        live = [int(x) for x in np.flatnonzero(e.cache.live)]
-        prefilling = [x for x in live if e.cache.n[x] < len(e.seq[x]) - 1]
-        decoding = [x for x in live if e.cache.n[x] == len(e.seq[x]) - 1 and e.cache.c[x] < limit]
+        live = e.live()
+        prefilling = [x for x in live if e.n(x) < len(e.seq[x]) - 1]
+        decoding = [x for x in live if e.n(x) == len(e.seq[x]) - 1 and e.c(x) < limit]
         if op == "admit" and len(live) < s.plan.limits.max_requests:
             e.admit(_prompt(rng, arg))
         elif op == "chunk" and prefilling:
             work, budget = [], s.plan.limits.step_tokens
             for x in prefilling:
-                n = min(arg, len(e.seq[x]) - 1 - int(e.cache.n[x]), budget)
+                n = min(arg, len(e.seq[x]) - 1 - e.n(x), budget)
                 if n:
                     work.append((x, n))
                     budget -= n
@@ -195,17 +199,18 @@ def test_random_schedules(fp32_setup, ops, seed):
                 e.run([(x, 1) for x in decoding])
         elif op == "verify" and decoding:
             for _ in range(arg):
-                ok = [x for x in decoding if e.cache.c[x] < limit]
+                ok = [x for x in decoding if e.c(x) < limit]
                 if ok:
                     e.verify(ok)
         elif op == "retract" and live:
             x = live[arg % len(live)]
-            if e.cache.c[x] > 0:
+            if e.c(x) > 0:
                 e.check_parity(x)
             e.retract(x)
-    for x in np.flatnonzero(e.cache.live):
-        if e.cache.c[x] > 0:
-            assert e.check_parity(int(x)) <= TOL
+    e.check_state()
+    for x in e.live():
+        if e.c(x) > 0:
+            assert e.check_parity(x) <= TOL
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,10 +11,11 @@ import pytest
 from model_harness import LIMITS, Engine, jitted, make_plan
 
 from flatkv_jax import ServingLimits
+from flatkv_jax.coordinator import StepMetadata, window_columns
+from flatkv_jax.coordinator.state import table_size
 from flatkv_jax.model import (
     DraftBatch,
     StepBatch,
-    StepMeta,
     dense_forward,
     init_params,
     make_propose,
@@ -28,16 +31,34 @@ def _sds(shape, dtype=jnp.int32):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def _abstract(cfg, plan, zero_len=8):
-    s, r = plan.limits.step_tokens, plan.limits.max_requests
-    meta = StepMeta(
-        token_slot=_sds((s,)),
-        token_pos=_sds((s,)),
-        tables=tuple(_sds(plan.table_shape(g)) for g in plan.groups),
-        zero_pages=tuple(_sds((zero_len,)) for _ in plan.groups),
+def _metadata(plan, rows=None, zero_len=8) -> StepMetadata:
+    """Abstract coordinator metadata of one step with ``rows`` step rows (default: an extend
+    and an admit batch, as the engine passes)."""
+    t, g = plan.limits.step_tokens, len(plan.groups)
+    s = 2 * plan.limits.max_requests if rows is None else rows
+    cols = sum(n for _, n in window_columns(plan))
+    return StepMetadata(
+        token_slot=_sds((t,)),
+        token_pos=_sds((t,)),
+        token_row=_sds((t,)),
+        row_slot=_sds((s,)),
+        row_start=_sds((s,)),
+        row_count=_sds((s,)),
+        row_offset=_sds((s,)),
+        seq_len=_sds((s,)),
+        write_slot=_sds((g, t)),
+        window_pages=_sds((s, cols)),
+        window_first_block=_sds((g, s)),
+        zero=_sds((g, zero_len)),
+        num_tokens=_sds(()),
+        overflow=_sds((), jnp.bool_),
     )
+
+
+def _abstract(cfg, plan):
+    s, r = plan.limits.step_tokens, plan.limits.max_requests
     batch = StepBatch(tokens=_sds((s,)), prev_hidden=_sds((r, cfg.hidden), jnp.float32))
-    return Pools(pool_specs(plan)), batch, meta
+    return Pools(pool_specs(plan)), batch, _metadata(plan), _sds((table_size(plan),))
 
 
 def test_step_compiles_once_across_varied_batches(fp32_setup, rng):
@@ -47,7 +68,7 @@ def test_step_compiles_once_across_varied_batches(fp32_setup, rng):
     step_fn, propose_fn = jitted(s.cfg, s.plan)
     e = Engine(s.cfg, s.plan, s.params)
     a = e.admit(rng.integers(0, 64, 20).tolist())
-    e.run([(a, 3)])  # one prefill chunk, the rest idle
+    e.run([(a, 3)])  # one prefill chunk (admit), the rest idle
     b = e.admit(rng.integers(0, 64, 9).tolist())
     e.run([(a, 12), (b, 4)])  # two chunks
     e.run([(a, 5), (b, 5)])
@@ -84,14 +105,14 @@ def test_propose_aliases_the_draft_pool(fp32_setup):
     s = fp32_setup
     plan = make_plan(s.cfg, pages=4096)
     r = plan.limits.max_requests
-    pools, _, meta = _abstract(s.cfg, plan)
+    pools, _, meta, tables = _abstract(s.cfg, plan)
     batch = DraftBatch(
-        tokens=_sds((r,)), start_pos=_sds((r,)), prev_hidden=_sds((r, s.cfg.hidden), jnp.float32)
+        tokens=_sds((r,)),
+        prev_hidden=_sds((r, s.cfg.hidden), jnp.float32),
+        active=_sds((r,), jnp.bool_),
     )
     fn = make_propose(s.cfg, plan)
-    stats = (
-        fn.lower(s.params, pools, batch, meta.tables, meta.zero_pages).compile().memory_analysis()
-    )
+    stats = fn.lower(s.params, pools, batch, meta, tables).compile().memory_analysis()
     assert stats.alias_size_in_bytes == plan.total_pool_bytes
     assert stats.temp_size_in_bytes < plan.pool_bytes("mtp_swa_kv") / 4
 
@@ -103,8 +124,8 @@ def test_v4_flash_geometry_traces_with_shapes_only():
     params = param_shapes(cfg)
     assert params.embed.shape == (129280, 4096)
     assert len(params.layers) == 43
-    pools, batch, meta = _abstract(cfg, plan)
-    out, new_pools = jax.eval_shape(make_step(cfg, plan), params, pools, batch, meta)
+    pools, batch, meta, tables = _abstract(cfg, plan)
+    out, new_pools = jax.eval_shape(make_step(cfg, plan), params, pools, batch, meta, tables)
     assert out.logits.shape == (limits.step_tokens, 129280)
     assert out.draft_logits.shape == (limits.step_tokens, 129280)
     assert jax.tree.map(lambda a: (a.shape, a.dtype), new_pools) == jax.tree.map(
@@ -160,39 +181,51 @@ def test_plan_mismatch_errors(fp32_setup):
     with pytest.raises(
         ValueError, match=r"cfg='num_mtp_layers=0' is invalid: propose needs the MTP draft layer"
     ):
-        make_propose(no_mtp, make_plan(no_mtp))(None, None, None, (), ())
+        make_propose(no_mtp, make_plan(no_mtp))(None, None, None, None, None)
     with pytest.raises(ValueError, match=r"num_draft=0 is invalid: it must be an int >= 1"):
-        make_propose(s.cfg, s.plan, num_draft=0)(None, None, None, (), ())
+        make_propose(s.cfg, s.plan, num_draft=0)(None, None, None, None, None)
 
 
 def test_step_input_errors(fp32_setup):
     s = fp32_setup
     fn = make_step(s.cfg, s.plan)
-    pools, batch, meta = _abstract(s.cfg, s.plan)
-    bad_pos = StepMeta(_sds((3,)), meta.token_pos, meta.tables, meta.zero_pages)
+    pools, batch, meta, tables = _abstract(s.cfg, s.plan)
+
+    def call(batch=batch, meta=meta, tables=tables):
+        return jax.eval_shape(fn, s.params, pools, batch, meta, tables)
+
     with pytest.raises(
-        ValueError, match=r"token_slot=\(\(3,\), 'int32'\) is invalid: expected shape \(16,\)"
+        TypeError, match=r"meta='dict' is invalid: it must be the coordinator's StepMetadata"
     ):
-        jax.eval_shape(fn, s.params, pools, batch, bad_pos)
+        call(meta={})
+    with pytest.raises(
+        ValueError, match=r"meta.token_slot=\(\(3,\), 'int32'\) is invalid: expected shape \(16,\)"
+    ):
+        call(meta=dataclasses.replace(meta, token_slot=_sds((3,))))
     bad_tok = StepBatch(_sds((16,), jnp.float32), batch.prev_hidden)
     with pytest.raises(
         ValueError,
         match=r"tokens=\(\(16,\), 'float32'\) is invalid: expected shape \(16,\) and dtype int32",
     ):
-        jax.eval_shape(fn, s.params, pools, bad_tok, meta)
-    short = StepMeta(meta.token_slot, meta.token_pos, meta.tables[:-1], meta.zero_pages)
-    with pytest.raises(ValueError, match=r"tables='tuple' is invalid: one table per group"):
-        jax.eval_shape(fn, s.params, pools, batch, short)
-    wide = StepMeta(
-        meta.token_slot, meta.token_pos, (_sds((4, 3)), *meta.tables[1:]), meta.zero_pages
-    )
-    with pytest.raises(ValueError, match=r"tables\[swa_kv\]=\(\(4, 3\), 'int32'\) is invalid"):
-        jax.eval_shape(fn, s.params, pools, batch, wide)
-    zl = StepMeta(
-        meta.token_slot, meta.token_pos, meta.tables, (_sds((2, 2)), *meta.zero_pages[1:])
-    )
+        call(batch=bad_tok)
+    with pytest.raises(ValueError, match=r"meta.write_slot=\(\(7, 3\), 'int32'\) is invalid"):
+        call(meta=dataclasses.replace(meta, write_slot=_sds((7, 3))))
+    with pytest.raises(ValueError, match=r"meta.row_slot=\(\) is invalid: a rank-1 int32 array"):
+        call(meta=dataclasses.replace(meta, row_slot=_sds(())))
+    # Window columns sized for another max_count than the step's.
+    with pytest.raises(ValueError, match=r"meta.window_pages=\(\(8, 3\), 'int32'\) is invalid"):
+        call(meta=dataclasses.replace(meta, window_pages=_sds((8, 3))))
     with pytest.raises(
-        ValueError, match=r"zero_pages\[swa_kv\]=\(2, 2\) is invalid: a rank-1 int32 array"
+        ValueError, match=r"meta.zero=\(8,\) is invalid: an int32 array \[7, K\] \(one zero list"
     ):
-        jax.eval_shape(fn, s.params, pools, batch, zl)
+        call(meta=dataclasses.replace(meta, zero=_sds((8,))))
+    with pytest.raises(
+        ValueError, match=r"table_buffer=\(\(3,\), 'int32'\) is invalid: expected shape"
+    ):
+        call(tables=_sds((3,)))
     assert LIMITS.step_tokens == 16
+    # propose checks its own batch, then the same metadata.
+    r = s.plan.limits.max_requests
+    draft = DraftBatch(_sds((r,)), _sds((r, s.cfg.hidden), jnp.float32), _sds((r,)))
+    with pytest.raises(ValueError, match=r"active=\(\(4,\), 'int32'\) is invalid: expected shape"):
+        jax.eval_shape(make_propose(s.cfg, s.plan), s.params, pools, draft, meta, tables)

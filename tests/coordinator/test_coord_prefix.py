@@ -1,0 +1,251 @@
+"""Prefix reuse in the device coordinator (issue 5): scenarios of docs/semantics.md,
+"Prefix reuse", on the tiny-V4 plan (granularity 16: history blocks of 16 tokens, window and
+state blocks of 4; windows 8 and 20).
+
+The randomized cross-check is the oracle differential
+(tests/oracle/test_differential.py::test_device_coordinator_matches_the_oracle and
+``python -m flatkv_jax.oracle.long_run --device``).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from coordinator_cases import (
+    ABORT,
+    FINISH,
+    PLAN,
+    RETRACT,
+    Driver,
+    Status,
+    assert_same,
+    audit,
+    host,
+    make_plan,
+    ops,
+    snapshot,
+)
+
+CHUNK = PLAN.limits.chunk_tokens
+SYS = list(range(1000, 1032))  # a 32-token "system prompt"
+
+
+class PrefixDriver(Driver):
+    """A :class:`Driver` whose audit allows pages shared through prefix hits."""
+
+    def _run(self, op, batch, **kw):
+        self.state, res = op(self.plan, self.state, batch, **kw)
+        audit.check_state(self.plan, self.state, shared_ok=True)
+        return res
+
+    def admit_tokens(self, tokens, first_chunk=None, ns=0):
+        fc = min(CHUNK, len(tokens)) if first_chunk is None else first_chunk
+        res = self._run(
+            ops.admit,
+            host.admit_batch(self.plan, [(len(tokens), fc)], tokens=[tokens], namespace=[ns]),
+        )
+        return res
+
+    def prefill(self, tokens, ns=0):
+        """Admits ``tokens`` and commits the whole prompt; returns (handle, hit)."""
+        res = self.admit_tokens(tokens, ns=ns)
+        assert host.statuses(res, 1) == [Status.OK]
+        h, hit = host.handles(res, 1)[0], int(res.hit[0])
+        c = hit
+        count = int(res.count[0])
+        while True:
+            if count:
+                assert host.statuses(self.retire((h, count)), 1) == [Status.OK]
+                c += count
+            if c >= len(tokens):
+                return h, hit
+            count = min(CHUNK, len(tokens) - c)
+            self.step(h, tokens[c : c + count])
+
+    def step(self, h, tokens):
+        res = self._run(
+            ops.extend, host.extend_batch(self.plan, [(h, len(tokens))], tokens=[tokens])
+        )
+        assert host.statuses(res, 1) == [Status.OK]
+        return res
+
+    def hit(self, tokens, ns=0):
+        """The hit an admission of ``tokens`` gets (the request is released again, ABORT)."""
+        res = self.admit_tokens(tokens, first_chunk=0, ns=ns)
+        assert host.statuses(res, 1) == [Status.OK]
+        self.release((host.handles(res, 1)[0], ABORT))
+        return int(res.hit[0])
+
+    def cached(self, group):
+        return self.counts()[group].cached_only
+
+
+def test_shared_system_prompt_hits_and_shares_pages():
+    d = PrefixDriver()
+    a, hit = d.prefill([*SYS, 1, 2, 3, 4, 5, 6, 7, 8])
+    assert hit == 0
+    # While A is live, B shares its pages (refcount 2, never copied).
+    res = d.admit_tokens([*SYS, 9, 9, 9, 9, 9])
+    b = host.handles(res, 1)[0]
+    assert int(res.hit[0]) == 32 and int(res.start[0]) == 32 and int(res.count[0]) == 5
+    assert d.n_c(b) == (37, 32)
+    pa, pb = d.pages_of(a), d.pages_of(b)
+    assert pb["c4_kv"][:2] == pa["c4_kv"][:2] and pb["c16_kv"][:2] == pa["c16_kv"][:2]
+    # Window groups hold only the trailing run of the hit (holes before it).
+    row = np.asarray(d.state.tables[PLAN.group_index("swa_kv")][b[0]])
+    assert row[:6].tolist() == [0] * 6 and np.all(row[6:8] >= 1)
+    d.release((a, FINISH))
+    d.release((b, FINISH))
+    assert d.hit([*SYS, 4, 4]) == 32
+
+
+def test_divergence_inside_a_block_hits_the_common_whole_blocks():
+    d = PrefixDriver()
+    base = list(range(1, 41))
+    d.release((d.prefill(base)[0], FINISH))
+    other = base[:20] + [77] * 20  # shares 20 tokens: one whole 16-token block
+    assert d.hit(other) == 16
+    assert d.hit(base[:15] + [77] * 25) == 0
+    assert d.hit(base) == 32  # never the last prompt token (h <= prompt_len - 1)
+    assert d.hit(base[:33]) == 32 and d.hit(base[:32]) == 16
+
+
+def test_namespaces_isolate():
+    d = PrefixDriver()
+    d.release((d.prefill([*SYS, 1], ns=1)[0], FINISH))
+    assert d.hit([*SYS, 1], ns=2) == 0
+    assert d.hit([*SYS, 1], ns=1) == 32
+
+
+def test_rejected_drafts_are_not_published_and_never_hit():
+    d = PrefixDriver()
+    toks = list(range(1, 41))
+    res = d.admit_tokens(toks[:16])
+    h = host.handles(res, 1)[0]
+    d.retire((h, 16))
+    d.step(h, toks[16:32])  # a 16-token "draft" step
+    d.retire((h, 3))  # 3 accepted: c = 19
+    assert d.n_c(h) == (19, 19)
+    assert d.hit(toks) == 16
+    d.release((h, FINISH))
+    assert d.hit(toks) == 16
+
+
+def test_finish_or_retract_then_readmit_hits_its_own_prefix():
+    d = PrefixDriver()
+    toks = list(range(5, 45))
+    h, _ = d.prefill(toks)
+    d.release((h, RETRACT))
+    h, hit = d.prefill(toks)
+    assert hit == 32
+    d.release((h, FINISH))
+    assert d.hit(toks) == 32
+
+
+def test_abort_never_publishes_its_in_flight_steps():
+    d = PrefixDriver()
+    toks = list(range(7, 47))
+    res = d.admit_tokens(toks)
+    h = host.handles(res, 1)[0]
+    assert host.statuses(d.release((h, ABORT)), 1) == [Status.DEFERRED]
+    d.retire((h, 16))  # commits, but the request is being aborted: nothing published
+    assert all(int(ix.count) == 0 for ix in d.state.indexes)
+    assert d.hit(toks) == 0
+
+
+def test_a_window_groups_trailing_run_decides_the_boundary():
+    d = PrefixDriver()
+    toks = list(range(1, 50))
+    h, _ = d.prefill(toks)  # c = 49: blocks ending <= 48 published
+    d.reclaim(h)  # window slots behind the window become holes (their pages stay cached)
+    d.release((h, FINISH))
+    assert d.hit(toks) == 48
+    # The hit's c16_state row (W = 20, B = 4): blocks 7..11 hold positions 29..47, the
+    # window of position 48; older slots are holes even though their pages are cached.
+    g = PLAN.group_index("c16_state")
+    res = d.admit_tokens(toks, first_chunk=0)
+    h2 = host.handles(res, 1)[0]
+    row = np.asarray(d.state.tables[g][h2[0]])
+    assert row[:7].tolist() == [0] * 7 and np.all(row[7:12] >= 1) and row[12] == -1
+    d.release((h2, ABORT))
+
+
+def test_lru_evicts_least_recently_released_first_and_free_pages_before_cached():
+    plan = make_plan(pages=40, c4_kv=5, c16_kv=5)
+    d = PrefixDriver(plan)
+    a_toks, b_toks = list(range(1, 18)), list(range(101, 118))
+    d.release((d.prefill(a_toks)[0], FINISH))  # A's pages become cached-only first
+    d.release((d.prefill(b_toks)[0], FINISH))
+    before = d.counts()["c4_kv"]
+    assert (before.cached_only, before.free) == (2, 3)
+    # 64 tokens need 4 history pages: the 3 free ones first, then A's (least recent).
+    fill = d.new(16)
+    d.retire((fill, 16))
+    for _ in range(3):
+        d.step(fill, [0] * 16)
+        d.retire((fill, 16))
+    after = d.counts()["c4_kv"]
+    assert (after.cached_only, after.free, after.in_use) == (1, 0, 4)
+    assert d.hit(b_toks) == 16
+    assert d.hit(a_toks) == 0
+
+
+def test_failed_admission_touches_nothing_not_even_lru_order():
+    plan = make_plan(pages=12)
+    d = PrefixDriver(plan)
+    toks = list(range(1, 34))
+    d.release((d.prefill(toks)[0], FINISH))
+    hog = d.new(16)
+    d.retire((hog, 16))
+    before = snapshot(d.state)
+    # A hit plus more pages than exist: OUT_OF_PAGES, and nothing changes (pins included).
+    batch = host.admit_batch(plan, [(64, 16), (33, 16)], tokens=[list(range(1, 65)), toks])
+    d.state, res = ops.admit(plan, d.state, batch)
+    statuses = host.statuses(res, 2)
+    if statuses[0] == Status.OUT_OF_PAGES:
+        assert statuses[1] == Status.OUT_OF_PAGES
+        assert_same(d.state, before)
+    audit.check_state(plan, d.state, shared_ok=True)
+
+
+def test_window_churn_does_not_evict_cached_history():
+    d = PrefixDriver()
+    toks = list(range(1, 34))
+    d.release((d.prefill(toks)[0], FINISH))
+    cached = d.cached("c4_kv")
+    hs = [d.new(16) for _ in range(3)]
+    for h in hs:
+        d.retire((h, 16))
+    for _ in range(12):
+        for h in hs:
+            d._run(ops.extend, host.extend_batch(PLAN, [(h, 1)]))
+            d.retire((h, 1))
+            d.reclaim(h)
+    assert d.cached("c4_kv") == cached
+    assert d.hit(toks) == 32
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(namespace=[1]), "a namespace only matters with tokens"),
+        (dict(tokens=[[1, 2]]), "the prompt has prompt_len = 3 tokens"),
+        (dict(tokens=[[1, 2, 3], [4]]), "one token list per row"),
+        (dict(tokens=[[1, 2, 3]], namespace=[1, 2]), "one int per row"),
+    ],
+)
+def test_host_token_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        host.admit_batch(PLAN, [(3, 3)], **kw)
+
+
+def test_host_step_tokens_too_long():
+    with pytest.raises(ValueError, match="at most 16 tokens fit a row"):
+        host.extend_batch(PLAN, [((0, 0), 1)], tokens=[list(range(17))])
+
+
+def test_prefix_state_is_a_pytree_of_arrays():
+    d = PrefixDriver()
+    leaves = jax.tree.leaves(d.state)
+    assert all(isinstance(x, jax.Array) for x in leaves)
