@@ -109,8 +109,8 @@ def create_index(num_pages: int, *, num_buckets: int | None = None) -> PrefixInd
     )
 
 
-def create_indexes(plan: CachePlan) -> tuple[PrefixIndex, ...]:
-    """One empty index per group of ``plan``, in group order."""
+def require_plan(plan: object) -> CachePlan:
+    """Returns ``plan`` if it is a :class:`CachePlan`, else raises ``TypeError``."""
     if not isinstance(plan, CachePlan):
         fail(
             "plan",
@@ -119,6 +119,12 @@ def create_indexes(plan: CachePlan) -> tuple[PrefixIndex, ...]:
             "build one with plan_with_pages or plan_for_budget",
             exc=TypeError,
         )
+    return plan
+
+
+def create_indexes(plan: CachePlan) -> tuple[PrefixIndex, ...]:
+    """One empty index per group of ``plan``, in group order."""
+    require_plan(plan)
     return tuple(create_index(plan.pages(g)) for g in plan.groups)
 
 

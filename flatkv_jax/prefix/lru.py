@@ -116,14 +116,7 @@ def create_lru(num_pages: int, *, ring_size: int | None = None) -> CachedLRU:
 
 def create_lrus(plan: CachePlan) -> tuple[CachedLRU, ...]:
     """One empty LRU per group of ``plan``, in group order."""
-    if not isinstance(plan, CachePlan):
-        fail(
-            "plan",
-            plan,
-            "it must be a CachePlan",
-            "build one with plan_with_pages or plan_for_budget",
-            exc=TypeError,
-        )
+    index_lib.require_plan(plan)
     return tuple(create_lru(plan.pages(g)) for g in plan.groups)
 
 
