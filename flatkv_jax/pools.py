@@ -57,6 +57,22 @@ class Pools:
         new_g = tuple(tuple(next(it) for _ in per_field) for per_field in self.arrays[gi])
         return Pools((*self.arrays[:gi], new_g, *self.arrays[gi + 1 :]))
 
+    def zero_group(self, gi: int, page_ids: jax.Array, *, impl=None) -> Pools:
+        """Zeroes ``page_ids`` (int32[K], -1 padded) in every array of group ``gi`` in one
+        :func:`kernels_pallas.zero_pages` call; donate the pools for an in-place update.
+
+        Args:
+          gi: group index (plan order).
+          page_ids: the group's zero list.
+          impl: ``kernels_pallas.Impl`` (the reference when ``None``).
+        """
+        from kernels_pallas import Impl, zero_pages  # kernels sit beside the core, not under it
+
+        flat = zero_pages(
+            self.flat_group(gi), page_ids, impl=Impl.REFERENCE if impl is None else impl
+        )
+        return self.with_flat_group(gi, flat)
+
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in jax.tree_util.tree_leaves(self))

@@ -36,7 +36,6 @@ from flatkv_jax.pools import Pools
 from flatkv_jax.recipes.deepseek_v4 import deepseek_v4_groups
 from kernels_pallas import Impl
 from kernels_pallas import write_rows as _write_rows
-from kernels_pallas import zero_pages as _zero_pages
 
 
 def _dataclass(cls):
@@ -123,9 +122,8 @@ class _PoolEditor:
         self.arrays[gi][fi][li] = value
 
     def zero(self, gi: int, page_ids: jax.Array, impl: Impl) -> None:
-        flat = tuple(a for per_field in self.arrays[gi] for a in per_field)
-        it = iter(_zero_pages(flat, page_ids, impl=impl))
-        self.arrays[gi] = [[next(it) for _ in per_field] for per_field in self.arrays[gi]]
+        zeroed = self.pools().zero_group(gi, page_ids, impl=impl)
+        self.arrays[gi] = [list(per_field) for per_field in zeroed.arrays[gi]]
 
     def pools(self) -> Pools:
         return Pools(tuple(tuple(tuple(f) for f in g) for g in self.arrays))

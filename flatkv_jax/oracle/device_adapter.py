@@ -36,8 +36,8 @@ from flatkv_jax.oracle.batches import (
     empty_result,
 )
 from flatkv_jax.plan import CachePlan
-from flatkv_jax.pools import create_pools
-from kernels_pallas import write_rows, zero_pages
+from flatkv_jax.pools import Pools, create_pools
+from kernels_pallas import write_rows
 
 _I32 = jnp.int32
 
@@ -45,13 +45,10 @@ _I32 = jnp.int32
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _zero(arrays, zero_lists):
     """Zeroes each group's zero list in every array of that group (mutate first)."""
-    out = []
-    for per_group, ids in zip(arrays, zero_lists, strict=True):
-        flat = tuple(a for per_field in per_group for a in per_field)
-        flat = zero_pages(flat, ids)
-        it = iter(flat)
-        out.append(tuple(tuple(next(it) for _ in per_field) for per_field in per_group))
-    return tuple(out)
+    pools = Pools(arrays)
+    for gi, ids in enumerate(zero_lists):
+        pools = pools.zero_group(gi, ids)
+    return pools.arrays
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

@@ -76,3 +76,12 @@ def test_pool_errors(plan):
         ValueError, match=r"layer=0 is invalid: group 'c4_kv' is used by layers \(1, 3\)"
     ):
         pools.get(plan, "c4_kv", "kv", 0)
+
+def test_zero_group_zeroes_listed_pages_in_every_array(plan):
+    pools = create_pools(plan)
+    gi = plan.group_index("c4_kv")
+    ones = pools.with_flat_group(gi, tuple(jnp.ones_like(a) for a in pools.flat_group(gi)))
+    out = ones.zero_group(gi, jnp.asarray([2, 5, -1], jnp.int32))
+    for a in out.flat_group(gi):
+        a = np.asarray(a)
+        assert not a[[2, 5]].any() and a[[1, 3, 4, 6]].all()
