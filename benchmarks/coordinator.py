@@ -10,7 +10,7 @@ Run::
 
     python benchmarks/coordinator.py                 # B = 32, 128, 256, 512; 16k and 1M pages
     python benchmarks/coordinator.py --batch 256 --steps 400
-    python benchmarks/coordinator.py --no-prefix     # no tokens: nothing published
+    python benchmarks/coordinator.py --no-prefix     # create_state(prefix=False): no index
 
 Prints a table of microseconds per step and per request-step (synchronous: each step is
 waited for, so the jit dispatch is included). The pool-size configurations run interleaved in
@@ -63,7 +63,7 @@ def make_plan(batch: int, pages: int, max_context: int = MAX_CONTEXT):
 def decode_step(plan, state, retire_b, handles_b, extend_b):
     """retire -> reclaim -> extend -> metadata, as one jitted function (state donated)."""
     dec = plan.limits.decode_tokens
-    state, r1 = retire_fn(plan, state, retire_b)
+    state, r1 = retire_fn(plan, state, retire_b, max_count=dec)
     state, r2 = reclaim_fn(plan, state, handles_b)
     state, r3 = extend_fn(plan, state, extend_b, max_count=dec)
     md = step_metadata_fn(plan, state, (r3,), max_count=dec)
@@ -80,10 +80,11 @@ def setup(plan, prefix: bool = True):
     """Admits max_requests requests with a PROMPT-token prompt (in waves, reclaiming as it goes)
     and retires their prefill, so every slot is running decode. With ``prefix`` the prompts
     (distinct per request) and the decode tokens are passed, so every step publishes the
-    blocks it completes (the prefix-reuse path); without, nothing is published."""
+    blocks it completes (the prefix-reuse path); without, the state has no prefix index
+    (``create_state(plan, prefix=False)``) and the step compiles without prefix code."""
     b = plan.limits.max_requests
     rng = np.random.default_rng(0)
-    state = create_state(plan)
+    state = create_state(plan, prefix=prefix)
     wave = 32
     hs = []
     for lo in range(0, b, wave):
@@ -176,7 +177,7 @@ def main():
     ap.add_argument(
         "--no-prefix",
         action="store_true",
-        help="pass no tokens (nothing is matched or published; the pre-issue-5 step)",
+        help="state without a prefix index (create_state(plan, prefix=False)), no tokens",
     )
     args = ap.parse_args()
     print(

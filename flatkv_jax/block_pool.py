@@ -268,22 +268,29 @@ def decref_left(
     group = group.reshape(-1)
     old = pools.refcount[jnp.clip(flat, 0, layout.total_pages - 1)]
     shared = jnp.any((flat >= 0) & (old > 1))
-    return jax.lax.cond(
+    # The cond only plans (listing-sized outputs); the refcounts and the stacks are written
+    # once, after it: a cond whose two branches both write a buffer makes XLA copy the buffer
+    # (every refcount and stack of every pool, on every call).
+    target, new, push_flat, push_group, win, left = jax.lax.cond(
         shared,
-        lambda: _decref_sorted(pools, layout, flat, group),
-        lambda: _decref_unique(pools, layout, flat, group, old),
+        lambda: _plan_sorted(pools, layout, flat, group),
+        lambda: _plan_unique(layout, flat, group, old),
     )
+    rc = pools.refcount.at[target].set(new, mode="drop")
+    pools, freed = _push(pools, layout, rc, push_flat, push_group, win)
+    return pools, freed, left
 
 
-def _decref_unique(pools: BlockPoolSet, layout: PoolLayout, flat, group, old):
+def _plan_unique(layout: PoolLayout, flat, group, old):
+    """Every listed page listed once: each loses one reference."""
     valid = flat >= 0
     new = old - 1
-    rc = pools.refcount.at[jnp.where(valid, flat, layout.total_pages)].set(new, mode="drop")
-    pools, freed = _push(pools, layout, rc, flat, group, valid & (new == 0))
-    return pools, freed, jnp.where(valid, new, -1)
+    target = jnp.where(valid, flat, layout.total_pages)
+    return target, new, flat, group, valid & (new == 0), jnp.where(valid, new, -1)
 
 
-def _decref_sorted(pools: BlockPoolSet, layout: PoolLayout, flat, group):
+def _plan_sorted(pools: BlockPoolSet, layout: PoolLayout, flat, group):
+    """Pages may be listed several times: sort the listing so each page is written once."""
     t = flat.shape[0]
     big = jnp.iinfo(_I32).max
     idx = jnp.arange(t, dtype=_I32)
@@ -296,11 +303,10 @@ def _decref_sorted(pools: BlockPoolSet, layout: PoolLayout, flat, group):
     next_first = jnp.concatenate([next_first[1:], jnp.full((1,), t, _I32)])
     new = pools.refcount[jnp.clip(ps, 0, layout.total_pages - 1)] - (next_first - idx)
     lead = valid & first
-    rc = pools.refcount.at[jnp.where(lead, ps, layout.total_pages)].set(new, mode="drop")
-    pools, freed = _push(pools, layout, rc, ps, gs, lead & (new == 0))
     run_lead = jax.lax.cummax(jnp.where(first, idx, 0), axis=0)
     left = jnp.where(valid, new[run_lead], -1)
-    return pools, freed, jnp.zeros((t,), _I32).at[orig].set(left)
+    target = jnp.where(lead, ps, layout.total_pages)
+    return target, new, ps, gs, lead & (new == 0), jnp.zeros((t,), _I32).at[orig].set(left)
 
 
 def _push(pools: BlockPoolSet, layout: PoolLayout, rc, flat, group, win):

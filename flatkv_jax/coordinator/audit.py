@@ -96,32 +96,35 @@ def check_state(plan: CachePlan, state: CacheState, *, shared_ok: bool = False) 
             bad(f"{g.name}: free stack holds duplicates or reserved pages")
         if rc[0] or rc[-1]:
             bad(f"{g.name}: the null or scratch page has a refcount")
-        ix, lr = state.indexes[gi], state.lrus[gi]
-        ipages = np.asarray(ix.pages).reshape(-1)
-        sop = np.asarray(ix.slot_of_page)
         indexed = np.zeros(plan.pages(g), np.int64)
-        np.add.at(indexed, ipages[ipages > 0], 1)
-        if indexed.max(initial=0) > 1 or int(ix.count) != int(np.count_nonzero(indexed)):
-            bad(f"{g.name}: the index holds a page twice or its count is wrong")
-        if np.any((sop >= 0) != (indexed > 0)) or np.any(
-            ipages[sop[indexed > 0]] != np.flatnonzero(indexed > 0)
-        ):
-            bad(f"{g.name}: slot_of_page disagrees with the index entries")
-        if indexed[0] or indexed[-1]:
-            bad(f"{g.name}: the index holds the null or scratch page")
+        if state.prefix:
+            ix = state.indexes[gi]
+            ipages = np.asarray(ix.pages).reshape(-1)
+            sop = np.asarray(ix.slot_of_page)
+            np.add.at(indexed, ipages[ipages > 0], 1)
+            if indexed.max(initial=0) > 1 or int(ix.count) != int(np.count_nonzero(indexed)):
+                bad(f"{g.name}: the index holds a page twice or its count is wrong")
+            if np.any((sop >= 0) != (indexed > 0)) or np.any(
+                ipages[sop[indexed > 0]] != np.flatnonzero(indexed > 0)
+            ):
+                bad(f"{g.name}: slot_of_page disagrees with the index entries")
+            if indexed[0] or indexed[-1]:
+                bad(f"{g.name}: the index holds the null or scratch page")
         if not np.array_equal(rc, ref + indexed):
             p = int(np.argmax(rc != ref + indexed))
             bad(
                 f"{g.name}: page {p} refcount {rc[p]} != table references {ref[p]}"
                 f" + index references {indexed[p]}"
             )
-        cached = np.asarray(lr.cached)
-        if not np.array_equal(cached, (indexed > 0) & (ref == 0)):
-            bad(f"{g.name}: the LRU's cached pages are not the indexed pages without tables")
-        if int(lr.count) != int(np.count_nonzero(cached)):
-            bad(f"{g.name}: lru.count {int(lr.count)} != cached pages")
-        if np.any(np.asarray(state.pinned[gi])):
-            bad(f"{g.name}: a pin was left set after the call")
+        if state.prefix:
+            lr = state.lrus[gi]
+            cached = np.asarray(lr.cached)
+            if not np.array_equal(cached, (indexed > 0) & (ref == 0)):
+                bad(f"{g.name}: the LRU's cached pages are not the indexed pages without tables")
+            if int(lr.count) != int(np.count_nonzero(cached)):
+                bad(f"{g.name}: lru.count {int(lr.count)} != cached pages")
+            if np.any(np.asarray(state.pinned[gi])):
+                bad(f"{g.name}: a pin was left set after the call")
         if np.any(rc[free] != 0):
             bad(f"{g.name}: a free page has a refcount (a live table points at a free page)")
         held = int(np.count_nonzero(rc[1:-1]))

@@ -199,18 +199,21 @@ def _grow(
     hi = state.hi[:, s].T if hi is None else hi  # [B, G]
     needs = jnp.maximum(0, _ceil_div(new_end[:, None], geo.a("block_tokens")[None, :]) - hi)
     needs = jnp.where(want[:, None], needs, 0)
-    cached = jnp.stack([lr.count for lr in state.lrus])
-    pc = jnp.zeros((n_g,), _I32) if pinned_cached is None else pinned_cached
     top = state.allocator.top
-    served, short_group, short_pages, total = fit(needs, want, evictable_pages(top, cached, pc))
-    short = jnp.maximum(total - top, 0)
-    # Eviction is rare (only when a free stack runs dry): skip its loops otherwise.
-    state = jax.lax.cond(
-        jnp.any(short > 0),
-        lambda st: _evict(plan, st, short, needs.shape[0] * k),
-        lambda st: st,
-        state,
-    )
+    if state.prefix:
+        cached = jnp.stack([lr.count for lr in state.lrus])
+        pc = jnp.zeros((n_g,), _I32) if pinned_cached is None else pinned_cached
+        served, short_group, short_pages, total = fit(needs, want, evictable_pages(top, cached, pc))
+        short = jnp.maximum(total - top, 0)
+        # Eviction is rare (only when a free stack runs dry): skip its loops otherwise.
+        state = jax.lax.cond(
+            jnp.any(short > 0),
+            lambda st: _evict(plan, st, short, needs.shape[0] * k),
+            lambda st: st,
+            state,
+        )
+    else:
+        served, short_group, short_pages, _ = fit(needs, want, top)
     pools, got = acquire(state.allocator, layout, needs, served, k)
     got = Acquired(served, short_group, short_pages, got.pages)
     take = got.pages >= 0  # [B, G, K]
@@ -276,10 +279,11 @@ def _sweep(
     # Table index of flat entry e is last[q] - e: each segment is walked from its end down.
     last = (row_base + start.reshape(-1) + length - 1) + excl
     size = table_size(plan)
-    indexes = state.indexes
 
     def body(i, carry):
-        pools, tables, lrus = carry
+        # The indexes are only read, but ride in the carry: a loop-invariant operand that is
+        # also live after the loop makes XLA copy it (every slot_of_page, every call).
+        pools, tables, lrus, indexes = carry
         e = i * chunk + jnp.arange(chunk, dtype=_I32)
         on = e < total
         q = segment_rows(excl, length, i * chunk, chunk)
@@ -292,40 +296,64 @@ def _sweep(
         pages = jnp.where(on, old, -1)
         gq = group[q]
         held = jnp.zeros((chunk,), jnp.bool_)
-        for g in range(n_g):
-            held = held | ((gq == g) & index_lib.holds(indexes[g], jnp.where(gq == g, pages, 0)))
+        for g, ix in enumerate(indexes):  # none without a prefix index
+            held = held | ((gq == g) & index_lib.holds(ix, jnp.where(gq == g, pages, 0)))
         pools, _, left = decref_left(pools, layout, gq, pages)
         # Left with only the index's reference: cached-only now.
         now_cached = held & (pages > 0) & (left == 1)
+        # Most chunks push nothing in most pools: skip those pools' pushes (and their sorts).
         lrus = tuple(
-            lru_lib.release(lr, pages, now_cached & (gq == g)) for g, lr in enumerate(lrus)
+            jax.lax.cond(
+                jnp.any(now_cached & (gq == g)),
+                lambda lr, m: lru_lib.release(lr, pages, m),
+                lambda lr, m: lr,
+                lr,
+                now_cached & (gq == g),
+            )
+            for g, lr in enumerate(lrus)
         )
-        return pools, tables, lrus
+        return pools, tables, lrus, indexes
 
-    pools, tables, lrus = jax.lax.fori_loop(
-        0, _ceil_div(total, chunk), body, (state.allocator, state.table_buffer, state.lrus)
+    pools, tables, lrus, indexes = jax.lax.fori_loop(
+        0,
+        _ceil_div(total, chunk),
+        body,
+        (state.allocator, state.table_buffer, state.lrus, state.indexes),
     )
-    return _replace(state, allocator=pools, table_buffer=tables, lrus=lrus)
+    return _replace(state, allocator=pools, table_buffer=tables, lrus=lrus, indexes=indexes)
+
+
+def _final_publish(state: CacheState, s: jax.Array, mask: jax.Array, mode: jax.Array) -> jax.Array:
+    """Rows of ``mask`` whose release publishes: FINISH/RETRACT of a keyed request with
+    deferred blocks. Only those wait: every other committed block was offered to the index
+    by the ``retire`` that committed it (``c`` changes nowhere else)."""
+    return mask & (mode != ReleaseMode.ABORT) & state.keyed[s] & (state.defer_len[s] > 0)
 
 
 def _free(
-    plan: CachePlan, state: CacheState, s: jax.Array, mask: jax.Array, mode: jax.Array
+    plan: CachePlan,
+    state: CacheState,
+    s: jax.Array,
+    mask: jax.Array,
+    mode: jax.Array,
+    publish: bool = True,
 ) -> CacheState:
     """Frees requests now: drop every table reference, reset the slot and bump its generation.
 
-    FINISH/RETRACT publish only the blocks waiting in the request's deferred list: every
-    other committed block was offered to the index by the ``retire`` that committed it (``c``
-    changes nowhere else).
+    With ``publish``, FINISH/RETRACT first publish the request's deferred blocks
+    (:func:`_final_publish`); ``retire`` passes False because its own publish already
+    covered those rows.
     """
     b = s.shape[0]
-    pub = mask & (mode != ReleaseMode.ABORT) & state.keyed[s] & (state.defer_len[s] > 0)
-    c = state.committed[s]
-    state = jax.lax.cond(
-        jnp.any(pub),
-        lambda st: _publish(plan, st, s, pub, c, jnp.zeros_like(c), st.fifo_head[s], True),
-        lambda st: st,
-        state,
-    )
+    if publish and state.prefix:
+        pub = _final_publish(state, s, mask, mode)
+        c = state.committed[s]
+        state = jax.lax.cond(
+            jnp.any(pub),
+            lambda st: _publish(plan, st, s, pub, c, jnp.zeros_like(c), st.fifo_head[s], True, 1),
+            lambda st: st,
+            state,
+        )
     hi = state.hi[:, s]
     state = _sweep(plan, state, s, mask, jnp.zeros_like(hi), hi, -1, _release_chunk(b))
     zeros = jnp.zeros_like(hi)
@@ -343,6 +371,17 @@ def _free(
         fifo_head=_set_rows(state.fifo_head, s, mask, 0),
         fifo_len=_set_rows(state.fifo_len, s, mask, 0),
     )
+
+
+def _require_prefix(state: CacheState, what: str) -> None:
+    """Tokens mean prefix reuse: the state must keep a prefix index (checked at trace time)."""
+    if not state.prefix:
+        fail(
+            what,
+            "an int32 token array",
+            "tokens turn prefix reuse on, but this state was created without a prefix index",
+            "build the state with create_state(plan, prefix=True) or pass tokens=None",
+        )
 
 
 def _release_chunk(b: int) -> int:
@@ -397,7 +436,11 @@ def _take_hits(plan: CachePlan, state: CacheState, m, s: jax.Array, served, list
     for g in range(len(plan.groups)):
         mine = (group == g) & listed
         p = jnp.where(mine, pages, state.pinned[g].shape[0])
-        pinned.append(state.pinned[g].at[p].set(False, mode="drop"))
+        # Always False (a count is never negative), but it depends on what the eviction cond
+        # computed: that orders the cond's reads of the mask before this in-place write
+        # (otherwise XLA copies the whole mask).
+        clear = jnp.broadcast_to(state.lrus[g].count < 0, p.shape)
+        pinned.append(state.pinned[g].at[p].set(clear, mode="drop"))
     take_rows = jnp.concatenate(
         [jnp.broadcast_to(served[:, None], p.shape).reshape(-1) for p in m.pages]
     )
@@ -429,11 +472,13 @@ def _publish(
     accepted: jax.Array,
     head: jax.Array,
     retry: bool,
+    width: int,
 ) -> CacheState:
     """Publishes the blocks completed in ``(c_old, c_old + accepted]`` of rows ``pub`` (their
     step's tokens, continued from the request's chain state ``S(c_old)``), and advances the
     chain to ``S(c_old + accepted)``. First publisher wins, rows in batch order, per row and
-    group older blocks first.
+    group older blocks first. ``width`` (static) bounds ``accepted``: only that many of the
+    step's token columns are hashed.
 
     A committed block whose key another page holds is remembered (``defer_*``: its chain
     state and table slot) and offered again at the request's next publish (``retry``): once
@@ -442,13 +487,13 @@ def _publish(
     are dropped from the list; a full list drops the newest (documented limit).
     """
     geo = geometry(plan)
-    t_w = step_token_width(plan)
     a = jnp.where(pub, accepted, 0)
     ns = state.namespace[s]
     base = state.chain[s]
-    sums = keys_lib.extend_sums(base, state.fifo_tokens[s, head], c_old, a, ns)  # [B, T, L]
+    toks = state.fifo_tokens[s, head, :width]
+    sums = keys_lib.extend_sums(base, toks, c_old, a, ns)  # [B, width, L]
     c_new = c_old + a
-    last = jnp.take_along_axis(sums, jnp.clip(a - 1, 0, t_w - 1)[:, None, None], axis=1)[:, 0]
+    last = jnp.take_along_axis(sums, jnp.clip(a - 1, 0, width - 1)[:, None, None], axis=1)[:, 0]
     chain = jnp.where((a > 0)[:, None], last, base)
     b = s.shape[0]
     kd = state.defer_group.shape[1]
@@ -458,10 +503,10 @@ def _publish(
     keep_g, keep_slot, keep_sums, keep_on = [], [], [], []
     for g in range(len(plan.groups)):
         bt, w = geo.block_tokens[g], geo.width[g]
-        n_ends = t_w // bt + 1
+        n_ends = width // bt + 1
         ends = (c_old[:, None] // bt + 1 + jnp.arange(n_ends, dtype=_I32)[None, :]) * bt
         ok = pub[:, None] & (ends <= c_new[:, None])
-        at = jnp.clip(ends - c_old[:, None] - 1, 0, t_w - 1)
+        at = jnp.clip(ends - c_old[:, None] - 1, 0, width - 1)
         new_sums = jnp.take_along_axis(sums, at[:, :, None], axis=1)
         slot = jnp.clip(ends // bt - 1, 0, w - 1)
         if retry:
@@ -470,20 +515,25 @@ def _publish(
             ok = jnp.concatenate([mine, ok], axis=1)
             new_sums = jnp.concatenate([d_sums, new_sums], axis=1)
             slot = jnp.concatenate([jnp.clip(d_slot, 0, w - 1), slot], axis=1)
-        keys = keys_lib.keys_from_sums(new_sums, ends, ns)
         entry = state.table_buffer[geo.table_offset[g] + s[:, None] * w + slot]
         valid = ok & (entry >= 1)
-        ix, taken = index_lib.insert(
-            state.indexes[g],
-            keys.reshape(-1, keys_lib.KEY_WORDS),
-            entry.reshape(-1),
-            valid.reshape(-1),
-        )
+
+        def insert(ix, valid=valid, new_sums=new_sums, ends=ends, entry=entry):
+            keys = keys_lib.keys_from_sums(new_sums, ends, ns)
+            ix, taken, held = index_lib.insert_held(
+                ix, keys.reshape(-1, keys_lib.KEY_WORDS), entry.reshape(-1), valid.reshape(-1)
+            )
+            return ix, taken, held
+
+        def skip(ix, n=valid.size):
+            return ix, jnp.zeros((n,), jnp.bool_), jnp.zeros((n,), jnp.bool_)
+
+        # A decode step completes a block in few groups: skip the others' inserts.
+        ix, taken, held = jax.lax.cond(jnp.any(valid), insert, skip, state.indexes[g])
         indexes.append(ix)
         groups.append(jnp.full((entry.size,), g, _I32))
         taken_pages.append(jnp.where(taken, entry.reshape(-1), -1))
-        held = index_lib.holds(state.indexes[g], entry)  # indexed before this call
-        keep_on.append(valid & ~taken.reshape(valid.shape) & ~held)
+        keep_on.append(valid & ~(taken | held).reshape(valid.shape))
         keep_g.append(jnp.full(valid.shape, g, _I32))
         keep_slot.append(slot)
         keep_sums.append(new_sums)
@@ -562,6 +612,8 @@ def admit_fn(
     geo = geometry(plan)
     bt = geo.a("block_tokens")[None, :]
     prefix = batch.tokens is not None
+    if prefix:
+        _require_prefix(state, "AdmitBatch.tokens")
     if prefix:
         tokens = batch.tokens
         ns = jnp.zeros((b,), _I32) if batch.namespace is None else batch.namespace
@@ -699,6 +751,8 @@ def extend_fn(
         fifo_count=state.fifo_count.at[srow, pos].set(cnt, mode="drop"),
         fifo_cap=state.fifo_cap.at[srow, pos].set(cnt, mode="drop"),
     )
+    if batch.tokens is not None:
+        _require_prefix(state, "ExtendBatch.tokens")
     if batch.tokens is None:
         # The step's tokens are unknown: the request's committed chain would be too.
         state = _replace(state, keyed=_set_rows(state.keyed, s, served, False))
@@ -722,26 +776,32 @@ def extend_fn(
 
 
 def retire_fn(
-    plan: CachePlan, state: CacheState, batch: RetireBatch
+    plan: CachePlan, state: CacheState, batch: RetireBatch, *, max_count: int | None = None
 ) -> tuple[CacheState, RetireResult]:
     """Retires the oldest in-flight step of each row with the number of accepted tokens.
 
     Per row: ``IDLE``, ``STALE`` (a late result of a freed request), ``BAD_ARG`` (repeated
-    slot), ``NO_STEP`` (FIFO empty), ``BAD_ARG`` (``accepted`` outside ``[0, count]``); else the
-    head ``(start, count)`` is popped and: ``DISCARDED`` if ``start != committed`` or a rewind
-    cut every token of the step; otherwise ``OK`` with ``committed = start + min(accepted,
-    cap)`` (``cap``: the step's tokens a rewind left valid) and, if some valid token was
-    rejected, ``extent = committed`` (rewind: pages kept). The blocks the commit completed
-    are published (requests admitted with tokens, unless an ABORT is pending). A request whose release was deferred is freed by the retire that empties its FIFO.
+    slot), ``NO_STEP`` (FIFO empty), ``BAD_ARG`` (``accepted`` outside ``[0, count]`` or
+    above ``max_count``); else the head ``(start, count)`` is popped and: ``DISCARDED`` if
+    ``start != committed`` or a rewind cut every token of the step; otherwise ``OK`` with
+    ``committed = start + min(accepted, cap)`` (``cap``: the step's tokens a rewind left
+    valid) and, if some valid token was rejected, ``extent = committed`` (rewind: pages kept).
+    The blocks the commit completed are published (requests admitted with tokens, unless an
+    ABORT is pending). A request whose release was deferred is freed by the retire that
+    empties its FIFO.
 
     Args:
       plan: the cache plan (static).
       state: the cache state (donated by :data:`retire`).
       batch: handles and accepted counts.
+      max_count: static bound on ``accepted`` (default ``max(chunk_tokens, 1 + verify)``):
+        publishing hashes that many token columns per row, so a decode-only batch should
+        pass ``plan.limits.decode_tokens`` (as it does to :func:`extend_fn`).
 
     Returns:
       The new state and a :class:`RetireResult`.
     """
+    mc = resolve_max_count(plan, max_count)
     r, d = state.max_requests, state.fifo_depth
     valid = batch.valid
     s, ok = _lookup(state, batch.slot, batch.generation)
@@ -754,7 +814,7 @@ def retire_fn(
     cnt = state.fifo_count[s, head]
     cap = state.fifo_cap[s, head]
     acc = batch.accepted
-    bad_acc = valid & ~stale & ~dup & ~no_step & ((acc < 0) | (acc > cnt))
+    bad_acc = valid & ~stale & ~dup & ~no_step & ((acc < 0) | (acc > cnt) | (acc > mc))
     go = valid & ~stale & ~dup & ~no_step & ~bad_acc
     c_old, n_old = state.committed[s], state.extent[s]
     discarded = go & ((st != c_old) | (cap == 0))
@@ -773,21 +833,31 @@ def retire_fn(
         (discarded, Status.DISCARDED),
     )
     pending = state.pending[s]
-    # Publish the blocks this step completed (not for a request being aborted).
+    release = go & (pending != 0) & (len_new == 0)
+    # Publish the blocks this step completed (not for a request being aborted), and the
+    # deferred blocks of requests this call frees (FINISH/RETRACT): one publish for both.
     pub = commit & state.keyed[s] & (pending != 1 + ReleaseMode.ABORT)
     new_blocks = pub & (a > 0)
+    pub = pub | _final_publish(state, s, release, pending - 1)
+    a = jnp.where(commit, a, 0)
     retry = pub & (state.defer_len[s] > 0)
-    state = jax.lax.cond(
-        jnp.any(retry),
-        lambda st: _publish(plan, st, s, pub, c_old, a, head, True),
-        lambda st: jax.lax.cond(
-            jnp.any(new_blocks),
-            lambda st: _publish(plan, st, s, new_blocks, c_old, a, head, False),
+    # Two conds in sequence, at most one taken: XLA updates a cond's buffers in place only
+    # when the other branch is the identity (two writing branches, or a cond nested in the
+    # untaken branch, copy every buffer they write: the whole index, every step).
+    if state.prefix:
+        any_retry = jnp.any(retry)
+        state = jax.lax.cond(
+            any_retry,
+            lambda st: _publish(plan, st, s, pub, c_old, a, head, True, mc),
             lambda st: st,
-            st,
-        ),
-        state,
-    )
+            state,
+        )
+        state = jax.lax.cond(
+            ~any_retry & jnp.any(new_blocks),
+            lambda st: _publish(plan, st, s, new_blocks, c_old, a, head, False, mc),
+            lambda st: st,
+            state,
+        )
     state = _replace(
         state,
         committed=_set_rows(state.committed, s, go, c_new),
@@ -795,11 +865,10 @@ def retire_fn(
         fifo_head=_set_rows(state.fifo_head, s, go, (head + 1) % d),
         fifo_len=_set_rows(state.fifo_len, s, go, len_new),
     )
-    release = go & (pending != 0) & (len_new == 0)
     # Deferred releases are rare: skip the sweeps (and their loops) on steps without one.
     state = jax.lax.cond(
         jnp.any(release),
-        lambda st: _free(plan, st, s, release, pending - 1),
+        lambda st: _free(plan, st, s, release, pending - 1, publish=False),
         lambda st: st,
         state,
     )
@@ -936,8 +1005,8 @@ def release_fn(
 admit = jax.jit(admit_fn, static_argnames=("plan", "max_count"), donate_argnames=("state",))
 #: ``extend_fn`` jitted (plan and ``max_count`` static, state donated).
 extend = jax.jit(extend_fn, static_argnames=("plan", "max_count"), donate_argnames=("state",))
-#: ``retire_fn`` jitted (plan static, state donated).
-retire = jax.jit(retire_fn, static_argnames=("plan",), donate_argnames=("state",))
+#: ``retire_fn`` jitted (plan and ``max_count`` static, state donated).
+retire = jax.jit(retire_fn, static_argnames=("plan", "max_count"), donate_argnames=("state",))
 #: ``rewind_fn`` jitted (plan static, state donated).
 rewind = jax.jit(rewind_fn, static_argnames=("plan",), donate_argnames=("state",))
 #: ``reclaim_fn`` jitted (plan static, state donated).

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flatkv_jax.block_pool import BlockPoolSet, PoolLayout, create_block_pool_set
-from flatkv_jax.errors import check_positive_int
+from flatkv_jax.errors import check_positive_int, fail
 from flatkv_jax.plan import CachePlan
 from flatkv_jax.prefix.index import PrefixIndex, create_indexes
 from flatkv_jax.prefix.keys import LANES
@@ -177,9 +177,18 @@ class CacheState:
     def fifo_depth(self) -> int:
         return self.fifo_start.shape[1]
 
+    @property
+    def prefix(self) -> bool:
+        """Whether the state keeps a prefix index (``create_state(..., prefix=...)``)."""
+        return len(self.indexes) > 0
+
 
 def create_state(
-    plan: CachePlan, fifo_depth: int = 2, deferred_blocks: int | None = None
+    plan: CachePlan,
+    fifo_depth: int = 2,
+    deferred_blocks: int | None = None,
+    *,
+    prefix: bool = True,
 ) -> CacheState:
     """An empty cache state for ``plan``: every page free, every slot free, tables all -1.
 
@@ -190,20 +199,37 @@ def create_state(
       deferred_blocks: per request, committed blocks whose publication waits for another
         page holding the same key to be evicted (default: every block of a ``max_context``
         request of every group, at most 256). Beyond it such blocks are never published.
+      prefix: keep a prefix index (issue 5). ``False`` builds a state without index, LRU,
+        pin masks, step tokens or deferred lists: the operations then compile without any
+        prefix code (a smaller, faster step on CPU, where even an untaken branch costs time
+        per op; docs/coordinator.md) and reject batches that carry tokens.
 
     Returns:
       The state. Device bytes: the plan's table bytes plus about ``8 * num_pages`` per pool
-      for the allocator, about ``54 * num_pages`` per pool for the prefix index and LRU, and
-      ``4 * max_requests * fifo_depth * max(chunk_tokens, 1 + verify_width)`` of step tokens.
+      for the allocator and, with ``prefix``, about ``54 * num_pages`` per pool for the prefix
+      index and LRU and ``4 * max_requests * fifo_depth * max(chunk_tokens, 1 + verify_width)``
+      of step tokens.
+
+    Raises:
+      ValueError/TypeError: a bad ``fifo_depth``, ``deferred_blocks`` or ``prefix``.
     """
     check_positive_int("fifo_depth", fifo_depth)
+    if not isinstance(prefix, bool):
+        fail(
+            "prefix",
+            prefix,
+            "prefix is a bool (keep a prefix index or not)",
+            "pass True or False",
+            exc=TypeError,
+        )
     if deferred_blocks is None:
         deferred_blocks = min(
             256, sum(plan.limits.max_context // g.block_tokens for g in plan.groups)
         )
     check_positive_int("deferred_blocks", deferred_blocks)
     r = plan.limits.max_requests
-    kd = deferred_blocks
+    kd = deferred_blocks if prefix else 0
+    width = step_token_width(plan) if prefix else 0
 
     # Every leaf is its own buffer: the ops donate the state, and XLA refuses to donate one
     # buffer twice.
@@ -228,13 +254,13 @@ def create_state(
         fifo_cap=fifo(),
         fifo_head=zeros(),
         fifo_len=zeros(),
-        indexes=create_indexes(plan),
-        lrus=create_lrus(plan),
-        pinned=tuple(jnp.zeros((plan.pages(g),), jnp.bool_) for g in plan.groups),
+        indexes=create_indexes(plan) if prefix else (),
+        lrus=create_lrus(plan) if prefix else (),
+        pinned=tuple(jnp.zeros((plan.pages(g),), jnp.bool_) for g in plan.groups) if prefix else (),
         chain=jnp.zeros((r, LANES), jnp.uint32),
         namespace=zeros(),
         keyed=jnp.zeros((r,), jnp.bool_),
-        fifo_tokens=jnp.zeros((r, fifo_depth, step_token_width(plan)), _I32),
+        fifo_tokens=jnp.zeros((r, fifo_depth, width), _I32),
         defer_group=jnp.zeros((r, kd), _I32),
         defer_slot=jnp.zeros((r, kd), _I32),
         defer_sums=jnp.zeros((r, kd, LANES), jnp.uint32),

@@ -119,7 +119,7 @@ class DeviceBackend:
         self.reset()
 
     def reset(self) -> None:
-        self.state = coord.create_state(self.plan, self.fifo_depth)
+        self.state = coord.create_state(self.plan, self.fifo_depth, prefix=self.prefix_reuse)
         if not hasattr(self, "arrays"):
             self.arrays = create_pools(self.plan).arrays
         else:  # fresh zeros of the same shapes (create_pools would compile anew each time)

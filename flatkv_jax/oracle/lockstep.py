@@ -309,7 +309,7 @@ class LockstepDevice:
             )
         self.prefix_reuse = prefix_api() if prefix_reuse is None else bool(prefix_reuse)
         self.shape = _shape(plan)
-        one_state = coord.create_state(plan, fifo_depth)
+        one_state = coord.create_state(plan, fifo_depth, prefix=self.prefix_reuse)
         one_pools = create_pools(plan).arrays
         self._fresh = jax.jit(
             lambda s, a: jax.tree_util.tree_map(

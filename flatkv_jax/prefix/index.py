@@ -236,6 +236,17 @@ def insert(
 ) -> tuple[PrefixIndex, jax.Array]:
     """Publishes blocks: ``key -> page``, first publisher wins.
 
+    Same as :func:`insert_held` without its third result.
+    """
+    index, taken, _ = insert_held(index, keys, pages, valid)
+    return index, taken
+
+
+def insert_held(
+    index: PrefixIndex, keys: jax.Array, pages: jax.Array, valid: jax.Array | None = None
+) -> tuple[PrefixIndex, jax.Array, jax.Array]:
+    """Publishes blocks: ``key -> page``, first publisher wins.
+
     A row takes effect iff it is valid, its page is a usable page (``1 .. num_pages - 2``) not
     already held by the index and its key is not already present (the row is *eligible*), no
     earlier eligible row of the batch has the same key or the same page, and its bucket pair
@@ -249,7 +260,10 @@ def insert(
       valid: optional bool[N].
 
     Returns:
-      ``(index, taken)``: the new index and bool[N].
+      ``(index, taken, held)``: the new index, bool[N] (the row took effect) and bool[N]
+      (the index held the row's page before the call: :func:`holds` on the old index, read
+      in the same pass — reading the old index after the in-place update would make XLA copy
+      its ``slot_of_page``).
     """
     k = _flat_keys(index, keys)
     n = k.shape[0]
@@ -264,7 +278,8 @@ def insert(
     v = _valid(valid, (n,))
     usable = (pages >= 1) & (pages <= index.num_pages - 2)
     present, _ = _find(index, k)
-    eligible = v & usable & (present == 0) & ~holds(index, pages)
+    held = holds(index, pages)
+    eligible = v & usable & (present == 0) & ~held
     # Both duplicate rules are relative to the same eligible set, so the outcome does not
     # depend on which rule is applied first.
     want = eligible & first_occurrence(tuple(k[:, w] for w in range(KEY_WORDS)), eligible)
@@ -276,7 +291,7 @@ def insert(
     second = jnp.take_along_axis(bk, 1 - pick[:, None], axis=1)[:, 0]
     index, placed1 = _place(index, k, pages, first, want)
     index, placed2 = _place(index, k, pages, second, want & ~placed1)
-    return index, placed1 | placed2
+    return index, placed1 | placed2, held
 
 
 def remove(

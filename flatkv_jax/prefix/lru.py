@@ -151,20 +151,47 @@ def _live(lru: CachedLRU, seq: jax.Array, in_range: jax.Array) -> tuple[jax.Arra
     return page, live
 
 
-def compact(lru: CachedLRU) -> CachedLRU:
-    """Rewrites the ring with only its live entries, in order, from the head (O(R))."""
+#: Ring entries one iteration of :func:`compact` moves (its temporaries are this size).
+COMPACT_CHUNK = 4096
+
+
+def compact(lru: CachedLRU, chunk: int = COMPACT_CHUNK) -> CachedLRU:
+    """Rewrites the ring with only its live entries, in order, from the head (O(R)).
+
+    In place, ``chunk`` entries at a time: a live entry only moves towards the head, onto a
+    position already read, so no pool- or ring-sized temporary exists (only chunk-sized ones).
+    Entries past the new tail keep stale values; nothing reads outside ``[head, tail)``.
+
+    Args:
+      lru: the pool's LRU.
+      chunk: static, ring entries per loop iteration (clipped to the ring size).
+    """
+    check_positive_int("chunk", chunk)
     r = lru.ring_size
-    j = jnp.arange(r, dtype=jnp.uint32)
-    page, live = _live(lru, lru.head + j, j < lru.tail - lru.head)
-    newpos = jnp.cumsum(live.astype(jnp.uint32), dtype=jnp.uint32) - jnp.uint32(1)
-    seq = lru.head + newpos
-    slot = jnp.where(live, (seq & jnp.uint32(r - 1)).astype(jnp.int32), r)
-    return dataclasses.replace(
-        lru,
-        ring=jnp.zeros_like(lru.ring).at[slot].set(page, mode="drop"),
-        seq_of_page=lru.seq_of_page.at[jnp.where(live, page, lru.num_pages)].set(seq, mode="drop"),
-        tail=lru.head + jnp.sum(live, dtype=jnp.uint32),
+    chunk = min(r, chunk)
+    j = jnp.arange(chunk, dtype=jnp.uint32)
+    n = lru.tail - lru.head
+
+    def body(carry):
+        i, kept, ring, seq_of_page = carry
+        pos = i + j
+        page = ring[((lru.head + pos) & jnp.uint32(r - 1)).astype(jnp.int32)]
+        live = (pos < n) & lru.cached[page] & (seq_of_page[page] == lru.head + pos)
+        seq = lru.head + kept + jnp.cumsum(live.astype(jnp.uint32), dtype=jnp.uint32) - 1
+        slot = jnp.where(live, (seq & jnp.uint32(r - 1)).astype(jnp.int32), r)
+        return (
+            i + jnp.uint32(chunk),
+            kept + jnp.sum(live, dtype=jnp.uint32),
+            ring.at[slot].set(page, mode="drop"),
+            seq_of_page.at[jnp.where(live, page, lru.num_pages)].set(seq, mode="drop"),
+        )
+
+    _, kept, ring, seq_of_page = jax.lax.while_loop(
+        lambda c: c[0] < n,
+        body,
+        (jnp.zeros((), jnp.uint32), jnp.zeros((), jnp.uint32), lru.ring, lru.seq_of_page),
     )
+    return dataclasses.replace(lru, ring=ring, seq_of_page=seq_of_page, tail=lru.head + kept)
 
 
 def release(lru: CachedLRU, pages: jax.Array, valid: jax.Array | None = None) -> CachedLRU:
@@ -184,10 +211,11 @@ def release(lru: CachedLRU, pages: jax.Array, valid: jax.Array | None = None) ->
     pages, valid = _pages_arg(lru, pages, valid)
     push = last_occurrence((pages,), valid)
     n_push = jnp.sum(push, dtype=jnp.uint32)
-    new_pages = jnp.sum(push & ~lru.cached[pages], dtype=jnp.int32)
     lru = jax.lax.cond(
         lru.tail - lru.head + n_push > jnp.uint32(lru.ring_size), compact, lambda x: x, lru
     )
+    was = lru.cached[pages]
+    new_pages = jnp.sum(push & ~was, dtype=jnp.int32)
     seq = lru.tail + jnp.cumsum(push.astype(jnp.uint32), dtype=jnp.uint32) - jnp.uint32(1)
     r = lru.ring_size
     slot = jnp.where(push, (seq & jnp.uint32(r - 1)).astype(jnp.int32), r)
@@ -196,7 +224,10 @@ def release(lru: CachedLRU, pages: jax.Array, valid: jax.Array | None = None) ->
         lru,
         ring=lru.ring.at[slot].set(pages, mode="drop"),
         seq_of_page=lru.seq_of_page.at[target].set(seq, mode="drop"),
-        cached=lru.cached.at[target].set(True, mode="drop"),
+        # The value (True wherever written) depends on the read of `cached` and on the
+        # compaction's result (`seq`), which orders both reads before the in-place write;
+        # otherwise XLA copies the whole array.
+        cached=lru.cached.at[target].set(push | was | (seq == 0), mode="drop"),
         tail=lru.tail + n_push,
         count=lru.count + new_pages,
     )

@@ -44,9 +44,9 @@ def assert_same(a, b):
 class Driver:
     """Holds a plan and a state, runs one op per call and audits the state after each."""
 
-    def __init__(self, plan=PLAN, fifo_depth: int = 2):
+    def __init__(self, plan=PLAN, fifo_depth: int = 2, prefix: bool = True):
         self.plan = plan
-        self.state = create_state(plan, fifo_depth=fifo_depth)
+        self.state = create_state(plan, fifo_depth=fifo_depth, prefix=prefix)
 
     def _run(self, op, batch, **kw):
         self.state, res = op(self.plan, self.state, batch, **kw)

@@ -77,21 +77,22 @@ def _huge_plan(pages):
     return plan_with_pages(groups, lim, pages)
 
 
-@pytest.mark.xfail(
-    reason="issue 5: XLA copies the refcounts / LRU ring inside the sweep's loop and conds "
-    "since the prefix LRU joined the state (known regression, see docs/coordinator.md)",
-    strict=False,
-)
-@pytest.mark.parametrize("op", ["extend", "reclaim", "release"])
+@pytest.mark.parametrize("op", ["extend", "reclaim", "release", "retire", "admit"])
 def test_no_pool_sized_temporaries(op):
     """With the state donated, a 1M-page pool is updated in place: XLA's temporaries stay far
-    below one pool-sized int32 array (4 MiB)."""
+    below one pool-sized int32 array (4 MiB). Guards against XLA copying state buffers: a cond
+    with two writing branches, a buffer read inside a cond or loop and written after it
+    without a data dependency, or a loop-invariant operand live after the loop
+    (docs/coordinator.md, "Cost rules")."""
     plan = _huge_plan(1 << 20)
     state = jax.eval_shape(lambda: create_state(plan))
+    tokens = np.zeros((1, 32), np.int32)
     batch = {
         "extend": host.extend_batch(plan, [((0, 0), 1)]),
         "reclaim": host.handle_batch(plan, [(0, 0)]),
         "release": host.release_batch(plan, [((0, 0), host.ReleaseMode.FINISH)]),
+        "retire": host.retire_batch(plan, [((0, 0), 1)]),
+        "admit": host.admit_batch(plan, [(32, 16)], tokens=tokens.tolist()),
     }[op]
     fn = getattr(ops, op)
     compiled = fn.lower(plan, state, batch).compile()

@@ -249,3 +249,63 @@ def test_prefix_state_is_a_pytree_of_arrays():
     d = PrefixDriver()
     leaves = jax.tree.leaves(d.state)
     assert all(isinstance(x, jax.Array) for x in leaves)
+
+
+def _lifecycle(d, with_tokens):
+    """One request through prefill, decode with a rejected draft, reclaim and FINISH."""
+    toks = list(range(40))
+    kw = {"tokens": [toks]} if with_tokens else {}
+    res = d._run(ops.admit, host.admit_batch(d.plan, [(40, CHUNK)], **kw))
+    h = host.handles(res, 1)[0]
+    c = CHUNK
+    d.retire((h, CHUNK))
+    while c < 40:
+        n = min(CHUNK, 40 - c)
+        kw = {"tokens": [toks[c : c + n]]} if with_tokens else {}
+        d._run(ops.extend, host.extend_batch(d.plan, [(h, n)], **kw))
+        d.retire((h, n))
+        c += n
+    for step in range(6):
+        kw = {"tokens": [[7, 8]]} if with_tokens else {}
+        d._run(ops.extend, host.extend_batch(d.plan, [(h, 2)], **kw))
+        d.retire((h, 1 + step % 2))  # every other step one draft token is rejected
+        d.reclaim(h)
+    d.release((h, FINISH))
+    return h
+
+
+def test_state_without_prefix_index_runs_the_same_lifecycle():
+    """``create_state(prefix=False)``: no index leaves, identical tables and statuses to a
+    prefix state driven without tokens, and everything freed at the end."""
+    lean, full = PrefixDriver(prefix=False), PrefixDriver()
+    assert not lean.state.prefix and full.state.prefix
+    assert lean.state.indexes == () and lean.state.lrus == () and lean.state.pinned == ()
+    assert len(jax.tree.leaves(lean.state)) < len(jax.tree.leaves(full.state))
+    for d in (lean, full):
+        _lifecycle(d, with_tokens=False)
+        assert d.all_free()
+    np.testing.assert_array_equal(lean.state.table_buffer, full.state.table_buffer)
+    np.testing.assert_array_equal(lean.state.allocator.free_ids, full.state.allocator.free_ids)
+
+
+def test_retire_max_count_bounds_accepted_and_publishes_the_same():
+    d = PrefixDriver()
+    h, _ = d.prefill(SYS)
+    d.step(h, [5, 6])
+    before = snapshot(d.state)
+    res = d._run(ops.retire, host.retire_batch(d.plan, [(h, 2)]), max_count=1)
+    assert host.statuses(res, 1) == [Status.BAD_ARG]
+    assert_same(before, d.state)  # a rejected row changes nothing
+    # A decode-width retire publishes exactly what the default (chunk-width) retire does.
+    other = PrefixDriver()
+    h2, _ = other.prefill(SYS)
+    other.step(h2, [5, 6])
+    dec = d.plan.limits.decode_tokens
+    published = sum(int(ix.count) for ix in d.state.indexes)
+    for drv, hh, kw in ((d, h, {"max_count": dec}), (other, h2, {})):
+        for i in range(4):
+            drv._run(ops.retire, host.retire_batch(drv.plan, [(hh, 2)]), **kw)
+            drv.step(hh, [9 + i, 10 + i])
+    assert_same(snapshot(d.state.indexes), snapshot(other.state.indexes))
+    assert_same(snapshot(d.state.chain), snapshot(other.state.chain))
+    assert sum(int(ix.count) for ix in d.state.indexes) > published  # decode blocks published

@@ -77,6 +77,7 @@ def test_pool_errors(plan):
     ):
         pools.get(plan, "c4_kv", "kv", 0)
 
+
 def test_zero_group_zeroes_listed_pages_in_every_array(plan):
     pools = create_pools(plan)
     gi = plan.group_index("c4_kv")

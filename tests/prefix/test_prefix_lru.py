@@ -81,8 +81,9 @@ def test_rehit_page_leaves_the_lru_and_returns_at_the_tail():
     assert int(lru.count) == 0
 
 
-def _run_model(lru, idx, ops, num_pages):
-    """Drives the LRU with (kind, pages) ops against an OrderedDict model."""
+def _run_model(lru, idx, ops, num_pages, drain=True):
+    """Drives the LRU with (kind, pages) ops against an OrderedDict model (then, with
+    ``drain``, evicts everything and checks the order)."""
     model: collections.OrderedDict[int, None] = collections.OrderedDict()
     for kind, pages in ops:
         pages = [p for p in pages if 1 <= p <= num_pages - 2]
@@ -109,6 +110,9 @@ def _run_model(lru, idx, ops, num_pages):
         assert int(lru.count) == len(model)
         assert np.flatnonzero(np.asarray(lru.cached)).tolist() == sorted(model)
         assert (lru.tail - lru.head) <= lru.ring_size
+    if not drain:
+        assert _live_order(lru) == list(model)
+        return lru
     # Drain: everything comes out in model order.
     rest = []
     while True:
@@ -154,6 +158,36 @@ def test_sequence_wraparound():
     _run_model(lru, _full_index(12), ops, 12)
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 8, 64])
+def test_compact_in_chunks_keeps_live_entries_in_order(chunk):
+    """Compaction runs in place a chunk at a time; any chunk size gives the same ring."""
+    lru, idx = L.create_lru(12, ring_size=32), _full_index(12)
+    ops = []
+    for r in range(9):  # stale entries between live ones, some pages re-released
+        ops += [("release", [1 + r % 10, 1 + (r + 3) % 10]), ("acquire", [1 + (r + 3) % 10])]
+    lru = _run_model(lru, idx, ops, 12, drain=False)
+    live = _live_order(lru)
+    out = jax.jit(L.compact, static_argnames="chunk")(lru, chunk=chunk)
+    assert int(out.tail - out.head) == len(live) == int(out.count)
+    assert _live_order(out) == live
+    ring = np.asarray(out.ring)
+    seq = [(int(out.head) + i) % 2**32 for i in range(len(live))]
+    assert [int(ring[q % 32]) for q in seq] == live  # packed from the head
+    assert all(int(np.asarray(out.seq_of_page)[p]) == q for p, q in zip(live, seq, strict=True))
+
+
+def _live_order(lru):
+    """Pages of the live ring entries, head to tail (host model of the LRU order)."""
+    ring, sop, cached = (np.asarray(x) for x in (lru.ring, lru.seq_of_page, lru.cached))
+    out = []
+    for i in range(int(lru.tail - lru.head)):
+        q = (int(lru.head) + i) % 2**32
+        p = int(ring[q % lru.ring_size])
+        if cached[p] and int(sop[p]) == q:
+            out.append(p)
+    return out
+
+
 def test_errors():
     with pytest.raises(ValueError, match="the ring is a power of two >= 2 x usable pages"):
         L.create_lru(12, ring_size=16)
@@ -170,8 +204,8 @@ def test_errors():
 
 
 def test_donated_updates_are_in_place():
-    """With the state donated, insert/remove/evict alias it and need only batch-sized temps
-    (release may compact, whose O(ring) temps live in the compaction branch)."""
+    """With the state donated, insert/remove/evict/release alias it and need only batch-sized
+    temporaries."""
     idx, lru = I.create_index(20_002), L.create_lru(20_002)
 
     def nbytes(*trees):
@@ -188,10 +222,13 @@ def test_donated_updates_are_in_place():
             nbytes(lru, idx),
             True,
         ),
+        # release may compact: in place, chunk by chunk (no ring-sized temporaries either)
         (jax.jit(L.release, donate_argnums=0).lower(lru, pages, None), nbytes(lru), False),
     ]
     for lowered, state_bytes, tiny_temp in cases:
         mem = lowered.compile().memory_analysis()
         assert mem.alias_size_in_bytes == state_bytes
-        if tiny_temp:
-            assert mem.temp_size_in_bytes < 64 * 1024
+        # Batch-sized, or (release) compaction-chunk-sized: far below the 512 KiB ring.
+        limit = 64 * 1024 if tiny_temp else 32 * L.COMPACT_CHUNK
+        assert mem.temp_size_in_bytes < limit, mem.temp_size_in_bytes
+    assert lru.ring.nbytes // 2 > 32 * L.COMPACT_CHUNK
