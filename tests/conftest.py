@@ -30,3 +30,21 @@ def rng():
     import numpy as np
 
     return np.random.default_rng(0)
+
+
+_last_dir = None
+
+
+def pytest_runtest_setup(item):
+    # One long process compiles thousands of programs; dropping JAX's caches when the run
+    # moves to another test directory bounds the memory they hold (a full run once crashed
+    # inside an XLA compile late in the session). Tests within a directory still share
+    # their compilations (e.g. the coordinator tests compile each op once per plan).
+    global _last_dir
+    here = item.path.parent
+    if _last_dir is not None and here != _last_dir:
+        import gc
+
+        jax.clear_caches()
+        gc.collect()
+    _last_dir = here
