@@ -269,3 +269,17 @@ class CachePlan:
         if isinstance(g, str):
             return self.group(g)
         return self.groups[g]
+
+
+def check_plan(plan: object, what: str = "plan") -> CachePlan:
+    """Returns ``plan`` if it is a :class:`CachePlan`; otherwise raises ``TypeError`` naming
+    its type (the one check every entry point that takes a plan shares)."""
+    if not isinstance(plan, CachePlan):
+        fail(
+            what,
+            type(plan).__name__,
+            "it must be a CachePlan",
+            "build one with plan_with_pages or plan_for_budget",
+            exc=TypeError,
+        )
+    return plan

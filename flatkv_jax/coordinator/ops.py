@@ -834,18 +834,17 @@ def retire_fn(
     )
     pending = state.pending[s]
     release = go & (pending != 0) & (len_new == 0)
-    # Publish the blocks this step completed (not for a request being aborted), and the
-    # deferred blocks of requests this call frees (FINISH/RETRACT): one publish for both.
-    pub = commit & state.keyed[s] & (pending != 1 + ReleaseMode.ABORT)
-    new_blocks = pub & (a > 0)
-    pub = pub | _final_publish(state, s, release, pending - 1)
-    a = jnp.where(commit, a, 0)
-    retry = pub & (state.defer_len[s] > 0)
-    # Two conds in sequence, at most one taken: XLA updates a cond's buffers in place only
-    # when the other branch is the identity (two writing branches, or a cond nested in the
-    # untaken branch, copy every buffer they write: the whole index, every step).
     if state.prefix:
-        any_retry = jnp.any(retry)
+        # Publish the blocks this step completed (not for a request being aborted), and the
+        # deferred blocks of requests this call frees (FINISH/RETRACT): one publish for both.
+        pub = commit & state.keyed[s] & (pending != 1 + ReleaseMode.ABORT)
+        new_blocks = pub & (a > 0)
+        pub = pub | _final_publish(state, s, release, pending - 1)
+        a = jnp.where(commit, a, 0)
+        # Two conds in sequence, at most one taken: XLA updates a cond's buffers in place
+        # only when the other branch is the identity (two writing branches, or a cond nested
+        # in the untaken branch, copy every buffer they write: the whole index, every step).
+        any_retry = jnp.any(pub & (state.defer_len[s] > 0))
         state = jax.lax.cond(
             any_retry,
             lambda st: _publish(plan, st, s, pub, c_old, a, head, True, mc),

@@ -21,6 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from flatkv_jax import plan as plan_lib
 from flatkv_jax.coordinator.metadata import StepMetadata, window_columns
 from flatkv_jax.coordinator.ops import resolve_max_count
 from flatkv_jax.coordinator.state import table_size
@@ -271,14 +272,7 @@ def check_plan(cfg: ModelConfig, plan: CachePlan) -> None:
             "build it with tiny_model() or v4_flash_model()",
             exc=TypeError,
         )
-    if not isinstance(plan, CachePlan):
-        fail(
-            "plan",
-            plan,
-            "it must be a CachePlan",
-            "build it with plan_with_pages or plan_for_budget",
-            exc=TypeError,
-        )
+    plan_lib.check_plan(plan)
     want = deepseek_v4_groups(cfg.cache, verify_width=plan.limits.verify_width)
     if plan.groups != want:
         fail(

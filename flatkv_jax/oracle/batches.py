@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from flatkv_jax.errors import fail
-from flatkv_jax.plan import CachePlan
+from flatkv_jax.plan import CachePlan, check_plan
 
 _I32 = np.int32
 _TOKEN_MAX = 2**31 - 1
@@ -164,18 +164,6 @@ class LogicalView:
     rows: tuple[tuple[tuple[np.ndarray, ...], ...], ...]
 
 
-def _check_plan(plan: object) -> CachePlan:
-    if not isinstance(plan, CachePlan):
-        fail(
-            "plan",
-            type(plan).__name__,
-            "it must be a CachePlan",
-            "build one with plan_with_pages or plan_for_budget",
-            exc=TypeError,
-        )
-    return plan
-
-
 def _batch_size(plan: CachePlan, rows: Sequence, size: int | None) -> int:
     if not isinstance(rows, Sequence) or isinstance(rows, str | bytes):
         fail(
@@ -263,7 +251,7 @@ def admit_batch(
       rows: per batch row ``(namespace, prompt_tokens, first_chunk)`` or ``None`` (masked).
       size: batch size (default ``max_requests``); rows beyond ``len(rows)`` are masked.
     """
-    plan = _check_plan(plan)
+    plan = check_plan(plan)
     b = _batch_size(plan, rows, size)
     width = plan.limits.max_context
     out = AdmitBatch(
@@ -307,7 +295,7 @@ def extend_batch(
       rows: per batch row ``(handle, tokens)`` (``count = len(tokens)``) or ``None``.
       size: batch size (default ``max_requests``).
     """
-    plan = _check_plan(plan)
+    plan = check_plan(plan)
     b = _batch_size(plan, rows, size)
     width = plan.limits.step_tokens
     out = ExtendBatch(
@@ -350,7 +338,7 @@ def handle_batch(
         (rewind) or a :class:`ReleaseMode` (release) — or a bare handle (reclaim), or ``None``.
       size: batch size (default ``max_requests``).
     """
-    plan = _check_plan(plan)
+    plan = check_plan(plan)
     b = _batch_size(plan, rows, size)
     out = HandleBatch(
         valid=np.zeros(b, bool),

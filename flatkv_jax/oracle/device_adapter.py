@@ -35,7 +35,7 @@ from flatkv_jax.oracle.batches import (
     OpResult,
     empty_result,
 )
-from flatkv_jax.plan import CachePlan
+from flatkv_jax.plan import CachePlan, check_plan
 from flatkv_jax.pools import Pools, create_pools
 from kernels_pallas import write_rows
 
@@ -93,14 +93,7 @@ class DeviceBackend:
         max_count: int | None = None,
         prefix_reuse: bool | None = None,
     ):
-        if not isinstance(plan, CachePlan):
-            fail(
-                "plan",
-                type(plan).__name__,
-                "it must be a CachePlan",
-                "build one with plan_with_pages",
-                exc=TypeError,
-            )
+        check_plan(plan)
         self.plan = plan
         self.fifo_depth = fifo_depth
         self.max_count = max_count

@@ -47,7 +47,7 @@ from flatkv_jax.oracle.batches import (
 from flatkv_jax.oracle.differential import Divergence, RunReport, _batch, _Found, _Harness
 from flatkv_jax.oracle.oracle import RadixOracle
 from flatkv_jax.oracle.traces import OpKind, Trace
-from flatkv_jax.plan import CachePlan
+from flatkv_jax.plan import CachePlan, check_plan
 from flatkv_jax.pools import create_pools
 
 _I32 = jnp.int32
@@ -290,14 +290,7 @@ class LockstepDevice:
         fifo_depth: int = 2,
         prefix_reuse: bool | None = None,
     ):
-        if not isinstance(plan, CachePlan):
-            fail(
-                "plan",
-                type(plan).__name__,
-                "it must be a CachePlan",
-                "build one with plan_with_pages",
-                exc=TypeError,
-            )
+        check_plan(plan)
         check_positive_int("lanes", lanes)
         self.plan, self.lanes, self.fifo_depth = plan, lanes, fifo_depth
         if prefix_reuse and not prefix_api():

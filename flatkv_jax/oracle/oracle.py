@@ -32,7 +32,7 @@ from flatkv_jax.oracle.batches import (
 )
 from flatkv_jax.oracle.host_pool import HostPool
 from flatkv_jax.oracle.radix import Node, RadixIndex
-from flatkv_jax.plan import CachePlan
+from flatkv_jax.plan import CachePlan, check_plan
 from flatkv_jax.status import Status
 
 
@@ -71,14 +71,7 @@ class RadixOracle:
         tail_first: bool = True,
         prefix_reuse: bool = True,
     ):
-        if not isinstance(plan, CachePlan):
-            fail(
-                "plan",
-                type(plan).__name__,
-                "it must be a CachePlan",
-                "build one with plan_with_pages",
-                exc=TypeError,
-            )
+        check_plan(plan)
         self.plan = plan
         self.fifo_depth = check_positive_int("fifo_depth", fifo_depth)
         lim = plan.limits

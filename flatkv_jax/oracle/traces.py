@@ -26,7 +26,7 @@ import numpy as np
 from flatkv_jax.errors import check_nonnegative_int, check_positive_int, fail
 from flatkv_jax.oracle.batches import ReleaseMode, admit_batch, extend_batch, handle_batch
 from flatkv_jax.oracle.oracle import RadixOracle
-from flatkv_jax.plan import CachePlan
+from flatkv_jax.plan import CachePlan, check_plan
 from flatkv_jax.status import Status
 
 
@@ -400,14 +400,7 @@ def random_trace(plan: CachePlan, seed: int, config: TraceConfig | None = None) 
     Returns:
       The trace.
     """
-    if not isinstance(plan, CachePlan):
-        fail(
-            "plan",
-            type(plan).__name__,
-            "it must be a CachePlan",
-            "build one with plan_with_pages",
-            exc=TypeError,
-        )
+    check_plan(plan)
     check_nonnegative_int("seed", seed)
     cfg = TraceConfig() if config is None else config
     if not isinstance(cfg, TraceConfig):

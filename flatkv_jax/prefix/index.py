@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from flatkv_jax.errors import check_positive_int, fail
-from flatkv_jax.plan import RESERVED_PAGES, CachePlan
+from flatkv_jax.plan import RESERVED_PAGES, CachePlan, check_plan
 from flatkv_jax.prefix._batch import first_occurrence, rank_within
 from flatkv_jax.prefix.keys import KEY_WORDS
 
@@ -109,22 +109,9 @@ def create_index(num_pages: int, *, num_buckets: int | None = None) -> PrefixInd
     )
 
 
-def require_plan(plan: object) -> CachePlan:
-    """Returns ``plan`` if it is a :class:`CachePlan`, else raises ``TypeError``."""
-    if not isinstance(plan, CachePlan):
-        fail(
-            "plan",
-            plan,
-            "it must be a CachePlan",
-            "build one with plan_with_pages or plan_for_budget",
-            exc=TypeError,
-        )
-    return plan
-
-
 def create_indexes(plan: CachePlan) -> tuple[PrefixIndex, ...]:
     """One empty index per group of ``plan``, in group order."""
-    require_plan(plan)
+    check_plan(plan)
     return tuple(create_index(plan.pages(g)) for g in plan.groups)
 
 

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from flatkv_jax.errors import check_nonnegative_int, check_positive_int, fail
-from flatkv_jax.plan import RESERVED_PAGES, CachePlan
+from flatkv_jax.plan import RESERVED_PAGES, CachePlan, check_plan
 from flatkv_jax.prefix import index as index_lib
 from flatkv_jax.prefix._batch import first_occurrence, last_occurrence
 
@@ -116,7 +116,7 @@ def create_lru(num_pages: int, *, ring_size: int | None = None) -> CachedLRU:
 
 def create_lrus(plan: CachePlan) -> tuple[CachedLRU, ...]:
     """One empty LRU per group of ``plan``, in group order."""
-    index_lib.require_plan(plan)
+    check_plan(plan)
     return tuple(create_lru(plan.pages(g)) for g in plan.groups)
 
 
@@ -175,8 +175,8 @@ def compact(lru: CachedLRU, chunk: int = COMPACT_CHUNK) -> CachedLRU:
     def body(carry):
         i, kept, ring, seq_of_page = carry
         pos = i + j
-        page = ring[((lru.head + pos) & jnp.uint32(r - 1)).astype(jnp.int32)]
-        live = (pos < n) & lru.cached[page] & (seq_of_page[page] == lru.head + pos)
+        now = dataclasses.replace(lru, ring=ring, seq_of_page=seq_of_page)
+        page, live = _live(now, lru.head + pos, pos < n)
         seq = lru.head + kept + jnp.cumsum(live.astype(jnp.uint32), dtype=jnp.uint32) - 1
         slot = jnp.where(live, (seq & jnp.uint32(r - 1)).astype(jnp.int32), r)
         return (

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flatkv_jax.errors import check_positive_int, fail
-from flatkv_jax.plan import CachePlan
+from flatkv_jax.plan import CachePlan, check_plan
 from flatkv_jax.prefix import index as index_lib
 from flatkv_jax.prefix import keys as keys_lib
 
@@ -98,14 +98,7 @@ class MatchLayout:
         Raises:
           ValueError/TypeError: bad plan, length or granularity.
         """
-        if not isinstance(plan, CachePlan):
-            fail(
-                "plan",
-                plan,
-                "it must be a CachePlan",
-                "build one with plan_with_pages or plan_for_budget",
-                exc=TypeError,
-            )
+        check_plan(plan)
         check_positive_int("max_len", max_len)
         if granularity is None:
             granularity = plan.prefix_granularity

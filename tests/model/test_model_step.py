@@ -173,7 +173,7 @@ def test_plan_mismatch_errors(fp32_setup):
         ValueError, match=r"plan=\[.*\] is invalid: the plan's groups must be deepseek_v4_groups"
     ):
         make_step(s.cfg, other)
-    with pytest.raises(TypeError, match=r"plan=None is invalid: it must be a CachePlan"):
+    with pytest.raises(TypeError, match=r"plan='NoneType' is invalid: it must be a CachePlan"):
         make_step(s.cfg, None)
     with pytest.raises(TypeError, match=r"cfg=None is invalid: it must be a ModelConfig"):
         make_step(None, s.plan)
