@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from flatkv_jax.capacity import parse_size, plan_for_budget, plan_with_pages
+from flatkv_jax.demo.cli import add_demo_parser
 from flatkv_jax.plan import ServingLimits
 from flatkv_jax.recipes import PRESETS, deepseek_v4_groups
 from flatkv_jax.recipes.deepseek_v4 import INDEXER_FORMATS, KV_FORMATS
@@ -90,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_plan_command)
+    add_demo_parser(sub)
     return parser
 
 

@@ -1,0 +1,233 @@
+"""``flatkv demo``: the command-line front of :func:`flatkv_jax.demo.runner.run_demo`.
+
+``flatkv demo`` serves the built-in agentic workload on the tiny V4 model with a progress bar
+and prints the report; ``--json`` prints the report as one JSON object instead; ``--plot
+out.png`` also writes the figure. See docs/serving.md ("flatkv demo").
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from flatkv_jax.capacity import parse_size
+
+
+def _positive_int(flag: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{flag}={text!r} is invalid: it must be a whole number. Fix: pass e.g. {flag} 8."
+            ) from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(
+                f"{flag}={value} is invalid: it must be >= 1. Fix: pass {flag} 1 or more."
+            )
+        return value
+
+    return parse
+
+
+def _nonnegative_int(flag: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise argparse.ArgumentTypeError(
+                f"{flag}={text!r} is invalid: it must be a whole number >= 0. Fix: pass e.g. "
+                f"{flag} 0."
+            )
+        return value
+
+    return parse
+
+
+def _size(flag: str):
+    def parse(text: str) -> str:
+        try:
+            parse_size(text, flag)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return text
+
+    return parse
+
+
+def add_demo_parser(subparsers) -> argparse.ArgumentParser:
+    """Registers ``flatkv demo`` on the ``flatkv`` command's subparsers."""
+    from flatkv_jax.demo.runner import DEFAULT_HBM, MODELS
+
+    p = subparsers.add_parser(
+        "demo",
+        help="serve a built-in agentic workload on the tiny V4 model and report (start here)",
+        description=(
+            "Serve a synthetic multi-tenant, multi-turn workload on the tiny DeepSeek-V4 model "
+            "(random weights) through the serving engine, then report throughput, prefix hits "
+            "(checked against the radix oracle), pool occupancy, compilations and a parity "
+            "check against dense recompute."
+        ),
+    )
+    p.add_argument(
+        "--requests",
+        type=_positive_int("--requests"),
+        default=40,
+        help="requests (turns) in the workload (default 40: about a minute on 2 CPU cores)",
+    )
+    p.add_argument(
+        "--seed",
+        type=_nonnegative_int("--seed"),
+        default=0,
+        help="workload and weight seed (default 0)",
+    )
+    p.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="tiny",
+        help="; ".join(f"{k}: {v[2]}" for k, v in sorted(MODELS.items())) + " (default tiny)",
+    )
+    size = p.add_mutually_exclusive_group()
+    size.add_argument(
+        "--hbm",
+        type=_size("--hbm"),
+        default=None,
+        help=f"pool budget, e.g. 2MiB (default {DEFAULT_HBM}: small, so pools fill and evict)",
+    )
+    size.add_argument(
+        "--pages",
+        type=_positive_int("--pages"),
+        default=None,
+        help="usable pages of every pool instead of --hbm",
+    )
+    p.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_cache",
+        action="store_false",
+        help="never reuse cached prefixes",
+    )
+    p.add_argument(
+        "--no-overlap",
+        dest="overlap",
+        action="store_false",
+        help="read each step's results before dispatching the next",
+    )
+    p.add_argument(
+        "--mtp",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="speculative decoding with the MTP draft layer (default on)",
+    )
+    p.add_argument(
+        "--impl",
+        choices=("reference", "pallas"),
+        default="reference",
+        help="page kernels: plain jnp reference (default) or Pallas",
+    )
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.add_argument(
+        "--plot",
+        metavar="OUT.png",
+        default=None,
+        help='write a figure (pool occupancy, hit rate, tokens per step); needs pip install ".[plot]"',
+    )
+    p.set_defaults(func=demo_command)
+    return p
+
+
+def demo_command(args: argparse.Namespace) -> int:
+    """Runs the demo for parsed arguments; returns the exit status (0: every check passed)."""
+    from flatkv_jax.demo.plot import MissingExtraError, plot_series, require_matplotlib
+    from flatkv_jax.demo.report import format_report
+    from flatkv_jax.demo.runner import DemoOptions, run_demo
+
+    if args.plot is not None:
+        try:
+            require_matplotlib()  # fail now, not after the run
+        except MissingExtraError as e:
+            print(f"flatkv: error: {e}", file=sys.stderr)
+            return 2
+    options = DemoOptions(
+        model=args.model,
+        requests=args.requests,
+        seed=args.seed,
+        hbm=args.hbm,
+        pages=args.pages,
+        prefix_cache=args.prefix_cache,
+        overlap=args.overlap,
+        mtp=args.mtp,
+        impl=args.impl,
+    )
+    with _Progress() as progress:
+        report, series = run_demo(options, on_start=progress.start, on_step=progress.step)
+    if args.plot is not None:
+        title = (
+            f"flatkv demo: {report.model}, {report.submitted} requests, seed {report.seed}, "
+            f"hit rate {report.hit_rate:.2f}"
+        )
+        plot_series(series, args.plot, title=title)
+    if args.json:
+        print(report.to_json())
+    else:
+        print(format_report(report))
+        if args.plot is not None:
+            print(f"figure written to {args.plot}")
+    return 0 if report.ok else 1
+
+
+class _Progress:
+    """A rich progress bar on stderr (so ``--json`` stdout stays one object); silent when
+    stderr is not a terminal."""
+
+    def __init__(self):
+        from rich.console import Console
+
+        self.console = Console(stderr=True)
+        self.bar = None
+        self.task = None
+        self.tokens = 0
+
+    def __enter__(self):
+        if self.console.is_terminal:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self.bar = Progress(
+                TextColumn("[bold]flatkv demo[/]"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("requests"),
+                TextColumn("{task.fields[steps]} steps, {task.fields[tokens]} tokens"),
+                TimeElapsedColumn(),
+                console=self.console,
+                transient=True,
+            )
+            self.bar.__enter__()
+        return self
+
+    def start(self, total: int) -> None:
+        if self.bar is not None:
+            self.task = self.bar.add_task("serve", total=total, steps=0, tokens=0)
+            self.bar.update(self.task, description="compiling")
+
+    def step(self, record, finished: int) -> None:
+        self.tokens += int(record.prefill_tokens) + int(record.decode_tokens)
+        if self.bar is not None and self.task is not None:
+            self.bar.update(
+                self.task,
+                completed=finished,
+                steps=int(record.index) + 1,
+                tokens=f"{self.tokens:,}",
+            )
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+        return False
