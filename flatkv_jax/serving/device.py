@@ -1,0 +1,402 @@
+"""The engine's jitted step: every state transition of one scheduler iteration, on device.
+
+One call of the function :func:`build_step` returns runs, in this order (mutate first, read
+last; docs/coordinator.md):
+
+1. ``release`` of the lanes the host ends (FINISH, ABORT, RETRACT). A lane with a step in
+   flight gets ``DEFERRED`` and is freed by the retire below (an aborted step publishes
+   nothing, a retracted or finished one publishes its committed blocks).
+2. ``retire`` of every lane's in-flight step (the previous call's), with the accepted count
+   that call computed and kept on device, then ``reclaim`` (window pages behind the window).
+3. per lane, what to schedule: a prefill chunk (``min(allowance, prompt_len - extent)``
+   tokens from the lane's token buffer) or a decode / speculative-verify row (``1 +
+   verify_width`` tokens when the allowance holds them, else 1). The host only grants
+   *allowances* whose sum is at most ``step_tokens``; the device never schedules more than a
+   lane's allowance, so a step can never overflow the token budget whatever the host did
+   not know yet (prefix hits, failed steps, finished requests).
+4. ``extend`` (running lanes, in the host's order: oldest admission first, so a shortage of
+   pages fails the latest admitted) and ``admit`` (new lanes, in arrival order).
+5. ``step_metadata``; with MTP the draft layer proposes into each verify block; the model
+   step; greedy sampling (argmax) and acceptance of the longest matching draft prefix; the
+   emitted tokens go into the lane's token buffer, the accepted count is kept for step 2 of
+   the next call.
+
+Requests live in *lanes* (``max_requests`` of them): the host names lanes, the device maps a
+lane to its coordinator handle (set from ``admit``'s result inside the step), so the host
+never needs a step's results before dispatching the next one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from flatkv_jax.coordinator.batches import (
+    AdmitBatch,
+    ExtendBatch,
+    HandleBatch,
+    ReleaseBatch,
+    RetireBatch,
+)
+from flatkv_jax.coordinator.metadata import step_metadata_fn
+from flatkv_jax.coordinator.ops import (
+    admit_fn,
+    extend_fn,
+    reclaim_fn,
+    release_fn,
+    resolve_max_count,
+    retire_fn,
+)
+from flatkv_jax.coordinator.state import CacheState
+from flatkv_jax.model.cache_io import DraftBatch, StepBatch
+from flatkv_jax.plan import CachePlan
+from flatkv_jax.status import Status
+
+_I32 = jnp.int32
+_SAME_STEP = "same_step" in inspect.signature(admit_fn).parameters
+
+
+def _dataclass(cls):
+    return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
+
+
+@_dataclass
+class Lanes:
+    """Per-lane device state carried from step to step (donated).
+
+    Attributes:
+      slot, generation: ``int32[R]``, the lane's coordinator handle (-1: no request).
+      seq: ``int32[R, L]``, the lane's tokens by position (prompt, then every emitted token,
+        drafts past the committed end); ``L = max_context + verify_width + 1``.
+      prompt_len: ``int32[R]``, prompt tokens of the lane's admission.
+      remaining: ``int32[R]``, tokens the request may still emit.
+      hidden: ``float32[R, H]``, target hidden of the position before the next step's first.
+      accept: ``int32[R]``, tokens to retire for the lane's in-flight step (0: none).
+    """
+
+    slot: jax.Array
+    generation: jax.Array
+    seq: jax.Array
+    prompt_len: jax.Array
+    remaining: jax.Array
+    hidden: jax.Array
+    accept: jax.Array
+
+
+@_dataclass
+class StepInputs:
+    """What the host decides for one step (``[R]`` each).
+
+    Attributes:
+      allow: tokens each lane may schedule (0: none).
+      order: lanes in extension order (-1 padding).
+      release_lane: lanes to release (-1 padding); release_mode: their ``ReleaseMode``.
+    """
+
+    allow: jax.Array
+    order: jax.Array
+    release_lane: jax.Array
+    release_mode: jax.Array
+
+
+@_dataclass
+class AdmitInputs:
+    """Admissions of one step, rows in arrival order (``[R]`` each, ``tokens [R, C]``).
+
+    Attributes:
+      lane: the lane each row takes (-1 padding).
+      prompt_len, first, remaining, namespace: per row.
+      tokens: the prompts, padded to ``max_context``.
+    """
+
+    lane: jax.Array
+    prompt_len: jax.Array
+    first: jax.Array
+    remaining: jax.Array
+    namespace: jax.Array
+    tokens: jax.Array
+
+
+def seq_width(plan: CachePlan) -> int:
+    """Columns of :attr:`Lanes.seq`: every position a request reaches, drafts included."""
+    return plan.limits.max_context + plan.limits.verify_width + 1
+
+
+def create_lanes(plan: CachePlan, hidden: int) -> Lanes:
+    """Empty lanes for ``plan`` (no request anywhere)."""
+    r = plan.limits.max_requests
+    return Lanes(
+        slot=jnp.full((r,), -1, _I32),
+        generation=jnp.zeros((r,), _I32),
+        seq=jnp.zeros((r, seq_width(plan)), _I32),
+        prompt_len=jnp.zeros((r,), _I32),
+        remaining=jnp.zeros((r,), _I32),
+        hidden=jnp.zeros((r, hidden), jnp.float32),
+        accept=jnp.zeros((r,), _I32),
+    )
+
+
+def _scatter(size: int, idx: jax.Array, on: jax.Array, values: jax.Array, fill) -> jax.Array:
+    """``out[idx[i]] = values[i]`` where ``on[i]`` (others ``fill``); idx -1 safe."""
+    shape = (size, *values.shape[1:])
+    out = jnp.full(shape, fill, values.dtype)
+    return out.at[jnp.where(on, idx, size)].set(values, mode="drop")
+
+
+def _accepts_interpret(fn) -> bool:
+    try:
+        return "interpret" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class StepKind:
+    """Static configuration of one compiled step (hashable: the jit cache key).
+
+    Attributes:
+      num_draft: drafts per verify row (0: no MTP).
+      admit: the step admits new requests (an admit call and its batch are compiled in).
+      prefix: token ids go to admit/extend (prefix matching and publishing).
+      impl: kernel implementation (``kernels_pallas.Impl`` value).
+      interpret: Pallas interpret mode (CPU), forwarded when the model accepts it.
+      keep_logits: return the logits each emitted token was sampled from.
+    """
+
+    num_draft: int
+    admit: bool
+    prefix: bool
+    impl: str
+    interpret: bool
+    keep_logits: bool
+
+
+@functools.cache
+def build_step(graphdef, plan: CachePlan, kind: StepKind):
+    """The jitted step ``fn(weights, pools, state, lanes, inputs, admits) -> (pools, state,
+    lanes, report)`` for one (model graph, plan, step kind); pools, state and lanes donated.
+
+    Cached, so every engine over the same model graph, plan and kind shares one compilation.
+    """
+    k = kind.num_draft
+    mc = resolve_max_count(plan, None)
+    lim = plan.limits
+    r, t_len, d = lim.max_requests, lim.step_tokens, 1 + k
+    width = seq_width(plan)
+    ng = len(plan.groups)
+
+    def fn(weights, pools, state: CacheState, lanes: Lanes, inp: StepInputs, adm):
+        model = nnx.merge(graphdef, weights)
+        extra = {}
+        if kind.interpret and _accepts_interpret(model.step):
+            extra["interpret"] = True
+        prev_accept = lanes.accept
+        # 1. releases (deferred while a step is in flight; the retire below completes them).
+        rl = inp.release_lane
+        rsafe = jnp.clip(rl, 0, r - 1)
+        rv = (rl >= 0) & (lanes.slot[rsafe] >= 0)
+        state, rel = release_fn(
+            plan,
+            state,
+            ReleaseBatch(rv, lanes.slot[rsafe], lanes.generation[rsafe], inp.release_mode),
+        )
+        # 2. retire the previous step of every lane, then reclaim.
+        inflight = (lanes.accept > 0) & (lanes.slot >= 0)
+        state, ret = retire_fn(
+            plan,
+            state,
+            RetireBatch(inflight, lanes.slot, lanes.generation, lanes.accept),
+            max_count=mc,
+        )
+        retired = inflight & (ret.status == Status.OK) & ~ret.released
+        state, rec = reclaim_fn(
+            plan, state, HandleBatch(retired, lanes.slot, lanes.generation)
+        )
+        freed = _scatter(r, rl, rv & (rel.status == Status.OK), jnp.ones((r,), bool), False)
+        freed = freed | (inflight & ret.released)
+        slot = jnp.where(freed, -1, lanes.slot)
+        gen = lanes.generation
+        live = slot >= 0
+        ssafe = jnp.clip(slot, 0, r - 1)
+        ext_now = jnp.where(live, state.extent[ssafe], 0)
+        # 3. what each lane schedules, within its allowance.
+        allow = jnp.minimum(inp.allow, mc)
+        prefilling = ext_now < lanes.prompt_len
+        dec = jnp.where(allow >= d, d, jnp.minimum(allow, 1)) if k else jnp.minimum(allow, 1)
+        count = jnp.where(prefilling, jnp.minimum(allow, lanes.prompt_len - ext_now), dec)
+        count = jnp.where(live & (lanes.remaining > 0), jnp.maximum(count, 0), 0)
+        # 4. extend (host order), admit (arrival order).
+        order = inp.order
+        osafe = jnp.clip(order, 0, r - 1)
+        ecount = jnp.where(order >= 0, count[osafe], 0)
+        ev = ecount > 0
+        cols = jnp.arange(mc, dtype=_I32)
+        etok = None
+        if kind.prefix:
+            epos = jnp.clip(ext_now[osafe][:, None] + cols[None, :], 0, width - 1)
+            etok = lanes.seq[osafe[:, None], epos]
+        state, er = extend_fn(
+            plan,
+            state,
+            ExtendBatch(ev, slot[osafe], gen[osafe], jnp.where(ev, ecount, 1), etok),
+            max_count=mc,
+        )
+        seq, prompt_len, remaining, hidden = (
+            lanes.seq,
+            lanes.prompt_len,
+            lanes.remaining,
+            lanes.hidden,
+        )
+        results = (er,)
+        row_lane = jnp.where(ev, order, -1)
+        adm_status = jnp.full((r,), Status.IDLE, _I32)
+        adm_hit = jnp.zeros((r,), _I32)
+        if kind.admit:
+            av = adm.lane >= 0
+            ab = AdmitBatch(
+                av,
+                jnp.where(av, adm.prompt_len, 1),
+                jnp.where(av, adm.first, 0),
+                adm.tokens if kind.prefix else None,
+                adm.namespace if kind.prefix else None,
+            )
+            # The admit sees the extend's result: the coordinator keeps the two within
+            # step_tokens together (when it supports ``same_step``).
+            same = {"same_step": (er,)} if _SAME_STEP else {}
+            state, ar = admit_fn(plan, state, ab, max_count=mc, **same)
+            aok = av & (ar.status == Status.OK)
+            idx = jnp.where(av, adm.lane, r)
+            slot = slot.at[idx].set(jnp.where(aok, ar.slot, -1), mode="drop")
+            gen = gen.at[idx].set(ar.generation, mode="drop")
+            toks = jnp.zeros((r, width), _I32).at[:, : adm.tokens.shape[1]].set(adm.tokens)
+            seq = seq.at[idx].set(toks, mode="drop")
+            prompt_len = prompt_len.at[idx].set(adm.prompt_len, mode="drop")
+            remaining = remaining.at[idx].set(adm.remaining, mode="drop")
+            hidden = hidden.at[idx].set(0.0, mode="drop")
+            adm_status = _scatter(r, adm.lane, av, ar.status, Status.IDLE)
+            adm_hit = _scatter(r, adm.lane, aok, ar.hit, 0)
+            results = (er, ar)
+            row_lane = jnp.concatenate([row_lane, jnp.where(aok, adm.lane, -1)])
+        md = step_metadata_fn(plan, state, results, max_count=mc)
+        # Per metadata row: its lane and whether it decodes (starts past the prompt).
+        on = md.row_slot >= 0
+        rlane = jnp.clip(row_lane, 0, r - 1)
+        start, cnt, off = md.row_start, md.row_count, jnp.maximum(md.row_offset, 0)
+        is_dec = on & (start >= prompt_len[rlane])
+        rslot = jnp.clip(md.row_slot, 0, r - 1)
+        prev_hidden = _scatter(r, md.row_slot, on, hidden[rlane], 0.0)
+        jd = jnp.arange(d, dtype=_I32)
+        proposed = jnp.zeros_like(cnt)
+        if k:
+            verify = is_dec & (cnt == d)
+            dbatch = DraftBatch(
+                tokens=_scatter(r, md.row_slot, verify, seq[rlane, jnp.maximum(start, 0)], 0),
+                prev_hidden=_scatter(r, md.row_slot, verify, hidden[rlane], 0.0),
+                active=_scatter(r, md.row_slot, verify, jnp.ones_like(verify), False),
+            )
+            dout, pools = model.propose(
+                pools,
+                dbatch,
+                md,
+                state.table_buffer,
+                plan=plan,
+                num_draft=k,
+                max_count=mc,
+                impl=kind.impl,
+                **extra,
+            )
+            jk = jnp.arange(k, dtype=_I32)
+            dpos = jnp.where(verify[:, None], start[:, None] + 1 + jk[None, :], width)
+            seq = seq.at[rlane[:, None], dpos].set(dout.tokens, mode="drop")
+            proposed = jnp.where(verify, k, 0)
+            if kind.prefix:
+                # The verify block's tokens ride with its extend (for publishing at retire);
+                # the drafts exist only now, so they join the in-flight step's token record.
+                dep = state.fifo_depth
+                tail = (state.fifo_head[rslot] + state.fifo_len[rslot] - 1) % dep
+                fs = jnp.where(verify, rslot, r)
+                ft = state.fifo_tokens.at[fs[:, None], tail[:, None], 1 + jk[None, :]].set(
+                    dout.tokens, mode="drop"
+                )
+                state = dataclasses.replace(state, fifo_tokens=ft)
+        trow = md.token_row
+        tlane = jnp.clip(row_lane[jnp.clip(trow, 0, row_lane.shape[0] - 1)], 0, r - 1)
+        tokens = jnp.where(trow >= 0, seq[tlane, jnp.clip(md.token_pos, 0, width - 1)], 0)
+        out, pools = model.step(
+            pools,
+            StepBatch(tokens=tokens, prev_hidden=prev_hidden),
+            md,
+            state.table_buffer,
+            plan=plan,
+            max_count=mc,
+            impl=kind.impl,
+            **extra,
+        )
+        # 5. greedy sampling on device, longest matching draft prefix.
+        greedy = jnp.argmax(out.logits, axis=-1).astype(_I32)
+        flat = jnp.clip(off[:, None] + jd[None, :], 0, t_len - 1)  # [S, d]
+        g = greedy[flat]
+        if k:
+            drafts = seq[rlane[:, None], jnp.clip(start[:, None] + 1 + jd[None, :k], 0, width - 1)]
+            match = (drafts == g[:, :k]) & (jd[None, :k] < cnt[:, None] - 1)
+            a = jnp.sum(jnp.cumprod(match.astype(_I32), axis=1), axis=1)
+        else:
+            a = jnp.zeros_like(cnt)
+        rem = remaining[rlane]
+        emit_dec = jnp.minimum(a + 1, rem)
+        final = on & ~is_dec & (start + cnt == prompt_len[rlane])
+        emitted = jnp.where(is_dec, emit_dec, final.astype(_I32))
+        emitted = jnp.where(on, emitted, 0)
+        last = jnp.clip(off + cnt - 1, 0, t_len - 1)
+        first_tok = jnp.where(is_dec, g[:, 0], greedy[last])
+        emit_tok = g.at[:, 0].set(first_tok)
+        emit_at = jnp.where(is_dec, start + 1, start + cnt)
+        wpos = jnp.where(jd[None, :] < emitted[:, None], emit_at[:, None] + jd[None, :], width)
+        seq = seq.at[rlane[:, None], wpos].set(emit_tok, mode="drop")
+        accept = jnp.where(is_dec, emitted, cnt)
+        hid_idx = jnp.clip(off + accept - 1, 0, t_len - 1)
+        to_lane = jnp.where(on, row_lane, r)
+        hidden = hidden.at[to_lane].set(out.hidden[hid_idx], mode="drop")
+        remaining = remaining.at[to_lane].add(-emitted, mode="drop")
+        acc_lane = _scatter(r, row_lane, on, accept, 0)
+        lanes = Lanes(slot, gen, seq, prompt_len, remaining, hidden, acc_lane)
+
+        def by_lane(v, fill=0):
+            return _scatter(r, row_lane, on, v, fill)
+
+        top = state.allocator.top
+        if kind.prefix:
+            cached = jnp.stack([lru.count for lru in state.lrus]).astype(_I32)
+        else:
+            cached = jnp.zeros((ng,), _I32)
+        report = {
+            "tokens": by_lane(jnp.where(jd[None, :] < emitted[:, None], emit_tok, -1), -1),
+            "emitted": by_lane(emitted),
+            "start": by_lane(start, -1),
+            "count": by_lane(cnt),
+            "decode": by_lane(is_dec, False),
+            "proposed": by_lane(proposed),
+            "accepted": by_lane(jnp.minimum(a, emitted) * (proposed > 0)),
+            "extend_status": _scatter(r, order, order >= 0, er.status, Status.IDLE),
+            "admit_status": adm_status,
+            "hit": adm_hit,
+            "retire_status": jnp.where(inflight, ret.status, Status.IDLE),
+            "retired": jnp.where(inflight, prev_accept, 0),
+            "release_status": _scatter(r, rl, rl >= 0, rel.status, Status.IDLE),
+            "reclaim_status": jnp.where(retired, rec.status, Status.IDLE),
+            "free": top.astype(_I32),
+            "cached": cached,
+            "zeroed": jnp.sum(md.zero >= 0, axis=1).astype(_I32),
+            "overflow": md.overflow,
+        }
+        if kind.keep_logits:
+            src = jnp.where(jd[None, :] == 0, jnp.where(is_dec, off, last)[:, None], flat)
+            report["logits"] = by_lane(out.logits[src], 0.0)
+        return pools, state, lanes, report
+
+    return jax.jit(fn, donate_argnums=(1, 2, 3))

@@ -1,0 +1,737 @@
+"""A continuous-batching serving engine over the jitted coordinator and a flax model.
+
+The host side: request bookkeeping, the scheduler (token allowances per lane within
+``step_tokens``, admission in arrival order, preemption), reading the step reports. Every
+state transition runs in the jitted step of :mod:`flatkv_jax.serving.device`. See
+docs/serving.md for the contract and the scheduling policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from flatkv_jax.coordinator.batches import ReleaseMode
+from flatkv_jax.coordinator.ops import resolve_max_count
+from flatkv_jax.coordinator.state import CacheState, create_state
+from flatkv_jax.errors import fail
+from flatkv_jax.plan import CachePlan, check_plan
+from flatkv_jax.pools import Pools, create_pools
+from flatkv_jax.serving.device import (
+    AdmitInputs,
+    StepInputs,
+    StepKind,
+    build_step,
+    create_lanes,
+)
+from flatkv_jax.serving.model import check_model
+from flatkv_jax.status import Status
+from kernels_pallas import Impl
+
+_IMPLS = {"reference": Impl.REFERENCE, "pallas": Impl.PALLAS_TPU, "pallas_tpu": Impl.PALLAS_TPU}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """How the engine runs.
+
+    Attributes:
+      impl: page kernels: ``"reference"`` (plain JAX) or ``"pallas"`` (Pallas TPU kernels;
+        interpret mode on CPU).
+      interpret: Pallas interpret mode; ``None`` = on when the default backend is the CPU.
+      overlap: dispatch step N+1 before reading step N's results (the host never waits on
+        the device between steps). ``False``: read every step's results before the next.
+      prefix_cache: pass token ids to the coordinator so prompts match and publish cached
+        prefixes; ``False`` builds the lean state without a prefix index.
+      mtp: speculative decoding with the model's MTP draft layer (``verify_width`` drafts
+        per decode step, greedy verification).
+      prefix_seed: seed of the prefix keys, passed to ``create_state`` when it takes one.
+      fifo_depth: in-flight steps per request the coordinator state allows (>= 2).
+      record_ops: keep :attr:`Engine.op_log`, the coordinator operations in the order they ran.
+      keep_logits: keep, per request, the logits each generated token was sampled from.
+    """
+
+    impl: str = "reference"
+    interpret: bool | None = None
+    overlap: bool = True
+    prefix_cache: bool = True
+    mtp: bool = True
+    prefix_seed: int | None = None
+    fifo_depth: int = 2
+    record_ops: bool = False
+    keep_logits: bool = False
+
+    def __post_init__(self):
+        if self.impl not in _IMPLS:
+            fail(
+                "impl",
+                self.impl,
+                f"it must be one of {sorted(_IMPLS)}",
+                'pass impl="reference" or impl="pallas"',
+            )
+        for name in ("overlap", "prefix_cache", "mtp", "record_ops", "keep_logits"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, getattr(self, name), "it must be a bool", f"pass {name}=True or False",
+                     exc=TypeError)  # fmt: skip
+        if not isinstance(self.fifo_depth, int) or self.fifo_depth < 2:
+            fail(
+                "fifo_depth",
+                self.fifo_depth,
+                "the engine keeps one step in flight per request while it schedules the next",
+                "pass fifo_depth >= 2",
+            )
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """A request's result.
+
+    Attributes:
+      request_id: what :meth:`Engine.submit` returned.
+      prompt: the prompt token ids.
+      tokens: generated token ids so far.
+      finished: all ``max_new_tokens`` were generated.
+      aborted: :meth:`Engine.abort` ended it.
+      hit_tokens: prompt tokens reused from the prefix cache, over all its admissions.
+      prompt_tokens: prompt tokens over all its admissions (a readmission counts its
+        prompt plus the tokens generated before it).
+      retractions: times it was preempted (and later readmitted).
+      logits: with ``keep_logits``, ``float32[len(tokens), vocab]``: row ``i`` is what
+        ``tokens[i]`` was sampled from; else None.
+    """
+
+    request_id: int
+    prompt: tuple[int, ...]
+    tokens: tuple[int, ...] = ()
+    finished: bool = False
+    aborted: bool = False
+    hit_tokens: int = 0
+    prompt_tokens: int = 0
+    retractions: int = 0
+    logits: np.ndarray | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """What one step did (read from its report).
+
+    Attributes:
+      index: step number (0-based, dispatch order).
+      prefill_tokens: prompt tokens computed (prefill chunks).
+      decode_tokens: tokens scheduled by decode / verify rows.
+      emitted: tokens generated.
+      hit_tokens: prefix-hit tokens of the step's admissions.
+      prompt_tokens: prompt tokens of the step's admissions.
+      in_use: pages in use per group after the step's allocations.
+      cached: cached-only pages per group.
+      zeroed: pages handed out (and zeroed) per group.
+      retractions: requests preempted because of this step's page shortage.
+      proposed, accepted: drafts proposed and accepted.
+      host_s: host seconds spent on this step (scheduling, building inputs, reading).
+      wall_s: wall seconds between this step's dispatch and its report being read.
+    """
+
+    index: int
+    prefill_tokens: int
+    decode_tokens: int
+    emitted: int
+    hit_tokens: int
+    prompt_tokens: int
+    in_use: tuple[int, ...]
+    cached: tuple[int, ...]
+    zeroed: tuple[int, ...]
+    retractions: int
+    proposed: int
+    accepted: int
+    host_s: float
+    wall_s: float
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Totals over the engine's life.
+
+    Attributes:
+      steps, prefill_tokens, decode_tokens, emitted_tokens, hit_tokens, prompt_tokens,
+      retractions, pages_zeroed, draft_proposed, draft_accepted: counts.
+      compilations: jit cache entries of the engine's step functions (one per step kind used).
+      compilations_after_warmup: entries beyond one per step kind (must stay 0).
+      group_names: the plan's groups (order of the per-group tuples).
+      usable_pages: per group.
+      occupancy: per step, pages in use per group.
+      wall_s: wall seconds inside :meth:`Engine.step`; host_s: host seconds of it.
+    """
+
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    emitted_tokens: int = 0
+    hit_tokens: int = 0
+    prompt_tokens: int = 0
+    retractions: int = 0
+    pages_zeroed: int = 0
+    draft_proposed: int = 0
+    draft_accepted: int = 0
+    compilations: int = 0
+    compilations_after_warmup: int = 0
+    group_names: tuple[str, ...] = ()
+    usable_pages: tuple[int, ...] = ()
+    occupancy: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+    wall_s: float = 0.0
+    host_s: float = 0.0
+
+    @property
+    def accept_rate(self) -> float:
+        """Accepted / proposed drafts (0 when none were proposed)."""
+        return self.draft_accepted / self.draft_proposed if self.draft_proposed else 0.0
+
+
+@dataclasses.dataclass
+class _Request:
+    rid: int
+    prompt: tuple[int, ...]
+    max_new: int
+    namespace: int
+    arrival: int
+    out: RequestOutput
+    lane: int | None = None
+    admitted_at: int = -1  # admission counter of the current admission
+    prompt_len: int = 0  # prompt of the current admission (prompt + generated before)
+    extent: int = 0  # prefill progress known from reports
+    pending: dict = dataclasses.field(default_factory=dict)  # step -> unread prefill allowance
+    releasing: bool = False
+    logits: list = dataclasses.field(default_factory=list)
+
+    @property
+    def seq(self) -> tuple[int, ...]:
+        return self.prompt + self.out.tokens
+
+
+@dataclasses.dataclass
+class _Dispatched:
+    index: int
+    lanes: dict[int, int]  # lane -> rid of lanes with an allowance
+    admits: dict[int, int]  # lane -> rid admitted
+    releases: list[tuple[int, int, ReleaseMode]]  # (lane, rid, mode)
+    retire_rids: dict[int, int]  # lane -> rid of the step this one retires
+    report: dict
+    t0: float
+    host_s: float
+    admit_pages: np.ndarray
+
+
+class Engine:
+    """Continuous batching over a flax model, its cache plan and the coordinator.
+
+    Example::
+
+        engine = Engine(DeepSeekV4(tiny_model(), rngs=nnx.Rngs(0)), plan, EngineOptions())
+        rid = engine.submit([1, 2, 3], max_new_tokens=8)
+        outputs = engine.run()
+        outputs[rid].tokens
+
+    Args:
+      model: a ``flax.nnx.Module`` with ``cfg``, ``step``, ``propose`` and ``dense``
+        (:class:`flatkv_jax.serving.model.ServedModel`).
+      plan: the cache plan (groups must be the model's recipe groups).
+      options: :class:`EngineOptions`.
+    """
+
+    def __init__(self, model, plan: CachePlan, options: EngineOptions | None = None):
+        self.plan = check_plan(plan)
+        self.options = options = EngineOptions() if options is None else options
+        if not isinstance(options, EngineOptions):
+            fail("options", type(options).__name__, "it must be EngineOptions",
+                 "pass EngineOptions(...)", exc=TypeError)  # fmt: skip
+        check_model(model, plan)
+        lim = plan.limits
+        if options.mtp and (not model.cfg.has_mtp or lim.verify_width < 1):
+            fail(
+                "options.mtp",
+                True,
+                "MTP needs a model with a draft layer and a plan with verify_width >= 1 "
+                f"(model has_mtp={model.cfg.has_mtp}, verify_width={lim.verify_width})",
+                "pass EngineOptions(mtp=False) or a plan with ServingLimits(verify_width=k)",
+            )
+        self.model = model
+        self.cfg = model.cfg
+        self.k = lim.verify_width if options.mtp else 0
+        self.mc = resolve_max_count(plan, None)
+        interpret = options.interpret
+        if interpret is None:
+            interpret = jax.default_backend() == "cpu"
+        impl = _IMPLS[options.impl]
+        base = StepKind(
+            num_draft=self.k,
+            admit=False,
+            prefix=options.prefix_cache,
+            impl=impl.value,
+            interpret=bool(interpret) and impl is Impl.PALLAS_TPU,
+            keep_logits=options.keep_logits,
+        )
+        self.graphdef, self.weights = nnx.split(model)
+        self._fns = {
+            False: build_step(self.graphdef, plan, base),
+            True: build_step(self.graphdef, plan, dataclasses.replace(base, admit=True)),
+        }
+        self._used: set[bool] = set()
+        self._cache0 = {a: f._cache_size() for a, f in self._fns.items()}
+        kw = {"prefix": options.prefix_cache}
+        if options.prefix_seed is not None and "seed" in inspect.signature(create_state).parameters:
+            kw["seed"] = options.prefix_seed
+        self.state: CacheState = create_state(plan, options.fifo_depth, **kw)
+        self.pools: Pools = create_pools(plan)
+        self.lanes = create_lanes(plan, self.cfg.hidden)
+        r = lim.max_requests
+        self._free_lanes = list(range(r))
+        self._lane_rid: dict[int, int] = {}
+        self._requests: dict[int, _Request] = {}
+        self._waiting: list[int] = []  # rids, kept sorted by arrival
+        self._releases: list[tuple[int, int, ReleaseMode]] = []
+        self._inflight: list[_Dispatched] = []
+        self._last_lanes: dict[int, int] = {}  # lanes of the last dispatched step
+        self._arrivals = 0
+        self._admissions = 0
+        self._steps = 0
+        self._barrier = 0  # page failures seen in steps before this one are already handled
+        self._supply: np.ndarray = np.array([plan.usable_pages(g) for g in plan.groups])
+        self._block = np.array([g.block_tokens for g in plan.groups])
+        self.outputs: dict[int, RequestOutput] = {}
+        self.op_log: list[tuple[str, tuple[tuple, ...]]] = []
+        self.stats = EngineStats(
+            group_names=tuple(g.name for g in plan.groups),
+            usable_pages=tuple(plan.usable_pages(g) for g in plan.groups),
+        )
+        self.records: list[StepRecord] = []
+
+    # --- requests ---------------------------------------------------------------------------
+    def submit(
+        self, prompt_tokens: Sequence[int], max_new_tokens: int, namespace: int = 0
+    ) -> int:
+        """Queues a request; returns its id.
+
+        Raises:
+          TypeError: a prompt that is not a sequence of ints, a non-int count or namespace.
+          ValueError: an empty prompt, a token outside the vocabulary, ``max_new_tokens < 1``,
+            or a request that can never fit: ``prompt + max_new_tokens > max_context``, or more
+            pages in some group than its pool holds (the message names the limit to raise).
+        """
+        if isinstance(prompt_tokens, str | bytes) or not isinstance(prompt_tokens, Sequence):
+            fail("prompt_tokens", type(prompt_tokens).__name__, "it must be a sequence of ints",
+                 "pass a list of token ids", exc=TypeError)  # fmt: skip
+        prompt = []
+        for i, t in enumerate(prompt_tokens):
+            if isinstance(t, bool) or not isinstance(t, int | np.integer):
+                fail(f"prompt_tokens[{i}]", t, "token ids are ints", "pass int token ids",
+                     exc=TypeError)  # fmt: skip
+            if not 0 <= int(t) < self.cfg.vocab:
+                fail(f"prompt_tokens[{i}]", int(t), f"token ids lie in [0, {self.cfg.vocab})",
+                     "pass ids of the model's vocabulary")  # fmt: skip
+            prompt.append(int(t))
+        if not prompt:
+            fail("prompt_tokens", [], "a prompt needs at least one token",
+                 "pass a non-empty prompt")  # fmt: skip
+        for what, v in (("max_new_tokens", max_new_tokens), ("namespace", namespace)):
+            if isinstance(v, bool) or not isinstance(v, int | np.integer):
+                fail(what, v, "it must be an int", f"pass {what} as an int", exc=TypeError)
+        if max_new_tokens < 1:
+            fail("max_new_tokens", max_new_tokens, "a request generates at least one token",
+                 "pass max_new_tokens >= 1")  # fmt: skip
+        if not -(2**31) <= namespace < 2**31:
+            fail("namespace", namespace, "it must fit int32", "pass a namespace in int32 range")
+        lim = self.plan.limits
+        total = len(prompt) + int(max_new_tokens)
+        if total > lim.max_context:
+            fail(
+                "max_new_tokens",
+                int(max_new_tokens),
+                f"prompt ({len(prompt)}) + max_new_tokens = {total} tokens exceeds "
+                f"ServingLimits.max_context = {lim.max_context}",
+                "raise ServingLimits.max_context (a new plan) or shorten the request",
+            )
+        for g in self.plan.groups:
+            need = self._pages_needed(g, total)
+            if need > self.plan.usable_pages(g):
+                fail(
+                    "prompt_tokens",
+                    f"{total} tokens",
+                    f"a request of {total} tokens needs {need} pages of group {g.name!r} but "
+                    f"its pool holds {self.plan.usable_pages(g)} usable pages",
+                    "raise the plan's pages (plan_with_pages(..., pages) or a larger HBM "
+                    "budget) or shorten the request",
+                )
+        rid = self._arrivals
+        self._arrivals += 1
+        out = RequestOutput(request_id=rid, prompt=tuple(prompt))
+        req = _Request(rid, tuple(prompt), int(max_new_tokens), int(namespace), rid, out)
+        self._requests[rid] = req
+        self.outputs[rid] = out
+        self._waiting.append(rid)
+        return rid
+
+    def _pages_needed(self, g, total: int) -> int:
+        """Most pages of group ``g`` a request of ``total`` tokens holds at once."""
+        span = total + self.plan.limits.verify_width
+        need = g.blocks_for_tokens(span)
+        if g.is_window:
+            need = min(need, g.live_blocks(self.mc) + 1)
+        return need
+
+    def abort(self, request_id: int) -> None:
+        """Cancels a request at any time: waiting, mid-prefill or mid-decode.
+
+        Its pages are released (nothing it computed is published) at the next step; its
+        output keeps the tokens generated so far with ``aborted=True``. Aborting a finished
+        or already aborted request does nothing.
+
+        Raises:
+          ValueError: an unknown request id.
+        """
+        req = self._requests.get(request_id) if isinstance(request_id, int) else None
+        if req is None:
+            fail("request_id", request_id, "no request has this id",
+                 "pass an id returned by submit")  # fmt: skip
+        if req.out.finished or req.out.aborted:
+            return
+        req.out.aborted = True
+        if req.rid in self._waiting:
+            self._waiting.remove(req.rid)
+        self._end(req, ReleaseMode.ABORT)
+
+    def _end(self, req: _Request, mode: ReleaseMode) -> None:
+        """Queues the release of the request's lane (if it has one)."""
+        if req.lane is not None and not req.releasing:
+            req.releasing = True
+            self._releases.append((req.lane, req.rid, mode))
+
+    def has_work(self) -> bool:
+        """Requests waiting or running, releases not yet done, or results not yet read."""
+        return bool(self._waiting or self._lane_rid or self._releases or self._inflight)
+
+    # --- the loop ---------------------------------------------------------------------------
+    def run(self, on_step: Callable[[StepRecord], None] | None = None) -> dict[int, RequestOutput]:
+        """Steps until every request is finished or aborted; returns :attr:`outputs`."""
+        while self.has_work():
+            rec = self.step()
+            if rec is not None and on_step is not None:
+                on_step(rec)
+        return self.outputs
+
+    def step(self) -> StepRecord | None:
+        """One scheduler iteration: dispatch a step (if anything is to do) and read the
+        results of a dispatched one (with overlap, the previous step's, so the host never
+        waits between steps). Returns that step's :class:`StepRecord` or None."""
+        t0 = time.perf_counter()
+        if not self.has_work():
+            return None
+        dispatched = None
+        if self._waiting or self._lane_rid or self._releases:
+            dispatched = self._dispatch()
+        depth = 1 if (self.options.overlap and dispatched is not None) else 0
+        rec = None
+        if len(self._inflight) > depth:
+            rec = self._read(self._inflight.pop(0))
+        wall = time.perf_counter() - t0
+        self.stats.wall_s += wall
+        return rec
+
+    def _schedule(self):
+        """Allowances (decode first, then prefill chunks, oldest admission first), then
+        admissions in arrival order while the budget, a lane and the pages last
+        reported allow."""
+        lim = self.plan.limits
+        budget = lim.step_tokens
+        d = 1 + self.k
+        running = sorted(
+            (self._requests[rid] for rid in self._lane_rid.values()),
+            key=lambda q: q.admitted_at,
+        )
+        running = [q for q in running if not q.releasing and not q.out.finished]
+        allow: dict[int, int] = {}
+        prefill = []
+        for q in running:
+            done = q.extent + sum(q.pending.values())
+            if done >= q.prompt_len:
+                if len(q.out.tokens) >= q.max_new:
+                    continue
+                take = d if budget >= d else min(budget, 1)
+                if take:
+                    allow[q.lane] = take
+                    budget -= take
+            else:
+                prefill.append((q, q.prompt_len - done))
+        for q, left in prefill:
+            take = min(self.mc, left, budget)
+            if take > 0:
+                allow[q.lane] = take
+                budget -= take
+        admits = []
+        supply = self._supply.copy()
+        for f in self._inflight:
+            supply -= f.admit_pages
+        reserve = len(running)
+        admit_pages = np.zeros_like(supply)
+        for rid in list(self._waiting):
+            if budget < 1 or len(admits) >= len(self._free_lanes):
+                break
+            q = self._requests[rid]
+            plen = len(q.seq)
+            first = min(self.mc, plen, budget)
+            need = -(-first // self._block) + 1
+            if np.any(supply - admit_pages - reserve < need):
+                break
+            admit_pages += need
+            reserve += 1
+            budget -= first
+            self._waiting.remove(rid)
+            admits.append((q, first))
+        return running, allow, admits, admit_pages
+
+    def _dispatch(self) -> _Dispatched:
+        t0 = time.perf_counter()
+        lim = self.plan.limits
+        r = lim.max_requests
+        releases, self._releases = self._releases, []
+        for lane, _, _ in releases:
+            rid = self._lane_rid.pop(lane)
+            self._requests[rid].lane = None
+            self._requests[rid].releasing = False
+            self._free_lanes.append(lane)
+        self._free_lanes.sort()
+        running, allow, admits, admit_pages = self._schedule()
+        index = self._steps
+        self._steps += 1
+        a = np.zeros(r, np.int32)
+        order = np.full(r, -1, np.int32)
+        for i, q in enumerate(q for q in running if q.lane in allow):
+            a[q.lane] = allow[q.lane]
+            order[i] = q.lane
+            if q.extent + sum(q.pending.values()) < q.prompt_len:
+                q.pending[index] = allow[q.lane]
+        rel_lane = np.full(r, -1, np.int32)
+        rel_mode = np.zeros(r, np.int32)
+        for i, (lane, _, mode) in enumerate(releases):
+            rel_lane[i], rel_mode[i] = lane, int(mode)
+        inputs = StepInputs(*(jnp.asarray(x) for x in (a, order, rel_lane, rel_mode)))
+        adm_lanes = {}
+        with_admit = bool(admits)
+        adm = None
+        if with_admit:
+            cols = {n: np.zeros(r, np.int32) for n in ("lane", "plen", "first", "rem", "ns")}
+            cols["lane"][:] = -1
+            toks = np.zeros((r, lim.max_context), np.int32)
+            for i, (q, first) in enumerate(admits):
+                lane = self._free_lanes.pop(0)
+                seq = q.seq
+                q.lane, q.admitted_at = lane, self._admissions
+                self._admissions += 1
+                q.prompt_len, q.extent, q.pending = len(seq), 0, {index: first}
+                self._lane_rid[lane] = q.rid
+                adm_lanes[lane] = q.rid
+                cols["lane"][i], cols["plen"][i], cols["first"][i] = lane, len(seq), first
+                cols["rem"][i], cols["ns"][i] = q.max_new - len(q.out.tokens), q.namespace
+                toks[i, : len(seq)] = seq
+            adm = AdmitInputs(
+                *(jnp.asarray(cols[n]) for n in ("lane", "plen", "first", "rem", "ns")),
+                jnp.asarray(toks),
+            )
+        fn = self._fns[with_admit]
+        self._used.add(with_admit)
+        host = time.perf_counter() - t0
+        self.pools, self.state, self.lanes, report = fn(
+            self.weights, self.pools, self.state, self.lanes, inputs, adm
+        )
+        t1 = time.perf_counter()
+        d = _Dispatched(
+            index=index,
+            lanes={int(lane): self._lane_rid[int(lane)] for lane in order if lane >= 0},
+            admits=adm_lanes,
+            releases=releases,
+            retire_rids=self._last_lanes,
+            report=report,
+            t0=t0,
+            host_s=host + (time.perf_counter() - t1),
+            admit_pages=admit_pages,
+        )
+        self._last_lanes = {**d.lanes, **adm_lanes}
+        self._inflight.append(d)
+        return d
+
+    def _read(self, d: _Dispatched) -> StepRecord:
+        """Applies a step's report to the requests (blocks until that step is done)."""
+        rep = jax.device_get(d.report)
+        t0 = time.perf_counter()
+        if bool(rep["overflow"]):
+            raise RuntimeError(
+                f"step {d.index} scheduled more than step_tokens tokens: a scheduler bug"
+            )
+        st = self.stats
+        prefill = decode = emitted = hits = prompts = proposed = accepted = retracted = 0
+        if self.options.record_ops:
+            self._log_ops(d, rep)
+        short = False
+        for _, rid, mode in d.releases:
+            q = self._requests[rid]
+            q.pending = {}
+            if mode is ReleaseMode.RETRACT and not (q.out.aborted or q.out.finished):
+                self._insert_waiting(rid)
+        for lane, rid in {**d.lanes, **d.admits}.items():
+            q = self._requests[rid]
+            if lane in d.admits:
+                status = int(rep["admit_status"][lane])
+                if status != Status.OK:
+                    # Not admitted (pages or slots short): back to the queue, nothing happened.
+                    if q.lane == lane:
+                        self._lane_rid.pop(lane, None)
+                        self._free_lanes.append(lane)
+                        q.lane, q.pending = None, {}
+                        if q.releasing:  # nothing to release any more
+                            self._releases = [x for x in self._releases if x[0] != lane]
+                            q.releasing = False
+                        if not (q.out.aborted or q.out.finished) and rid not in self._waiting:
+                            self._insert_waiting(rid)
+                    continue
+                h = int(rep["hit"][lane])
+                q.out.hit_tokens += h
+                q.out.prompt_tokens += q.prompt_len
+                hits += h
+                prompts += q.prompt_len
+            elif int(rep["extend_status"][lane]) == Status.OUT_OF_PAGES:
+                short = True
+            n = int(rep["count"][lane])
+            if q.lane == lane:
+                q.pending.pop(d.index, None)
+            if q.out.aborted or n == 0:
+                continue
+            if bool(rep["decode"][lane]):
+                decode += n
+            else:
+                prefill += n
+                if q.lane == lane:
+                    q.extent = int(rep["start"][lane]) + n
+            k = int(rep["emitted"][lane])
+            if k:
+                q.out.tokens = q.out.tokens + tuple(int(x) for x in rep["tokens"][lane][:k])
+                if self.options.keep_logits:
+                    q.logits.append(np.asarray(rep["logits"][lane][:k]))
+                emitted += k
+            proposed += int(rep["proposed"][lane])
+            accepted += int(rep["accepted"][lane])
+            if len(q.out.tokens) >= q.max_new and not q.out.finished:
+                q.out.finished = True
+                if self.options.keep_logits:
+                    q.out.logits = np.concatenate(q.logits)
+                self._end(q, ReleaseMode.FINISH)
+        if short and d.index >= self._barrier:
+            retracted = self._preempt()
+        # Admissions not reported yet keep their pages out of the supply (see _schedule).
+        self._supply = rep["free"] + rep["cached"]
+        usable = np.array(st.usable_pages)
+        in_use = tuple(int(x) for x in usable - rep["free"] - rep["cached"])
+        zeroed = tuple(int(x) for x in rep["zeroed"])
+        host = d.host_s + time.perf_counter() - t0
+        rec = StepRecord(
+            index=d.index,
+            prefill_tokens=prefill,
+            decode_tokens=decode,
+            emitted=emitted,
+            hit_tokens=hits,
+            prompt_tokens=prompts,
+            in_use=in_use,
+            cached=tuple(int(x) for x in rep["cached"]),
+            zeroed=zeroed,
+            retractions=retracted,
+            proposed=proposed,
+            accepted=accepted,
+            host_s=host,
+            wall_s=time.perf_counter() - d.t0,
+        )
+        st.steps += 1
+        st.prefill_tokens += prefill
+        st.decode_tokens += decode
+        st.emitted_tokens += emitted
+        st.hit_tokens += hits
+        st.prompt_tokens += prompts
+        st.retractions += retracted
+        st.pages_zeroed += sum(zeroed)
+        st.draft_proposed += proposed
+        st.draft_accepted += accepted
+        st.occupancy.append(in_use)
+        st.host_s += host
+        sizes = {a: f._cache_size() - self._cache0[a] for a, f in self._fns.items()}
+        st.compilations = sum(sizes.values())
+        st.compilations_after_warmup = sum(max(0, n - 1) for n in sizes.values())
+        self.records.append(rec)
+        return rec
+
+    def _insert_waiting(self, rid: int) -> None:
+        arrival = self._requests[rid].arrival
+        i = 0
+        while i < len(self._waiting) and self._requests[self._waiting[i]].arrival < arrival:
+            i += 1
+        self._waiting.insert(i, rid)
+
+    def _preempt(self) -> int:
+        """Retracts the latest admitted running request (the victim); it waits in arrival
+        order and is readmitted when its next chunk fits. Returns 1 if one was retracted."""
+        cands = [
+            self._requests[rid]
+            for rid in self._lane_rid.values()
+            if not self._requests[rid].releasing and not self._requests[rid].out.finished
+            and not self._requests[rid].out.aborted
+        ]  # fmt: skip
+        if not cands:
+            return 0
+        victim = max(cands, key=lambda q: q.admitted_at)
+        victim.out.retractions += 1
+        self._end(victim, ReleaseMode.RETRACT)
+        # It rejoins the queue when the report of its release is read: every step it ran in
+        # has been read by then, so its readmission prompt holds every token it committed.
+        # Failures in steps dispatched before the release takes effect are the same shortage.
+        self._barrier = self._steps + 1
+        return 1
+
+    def _log_ops(self, d: _Dispatched, rep) -> None:
+        """Appends the coordinator operations of step ``d`` in the order they ran."""
+        log = self.op_log
+        rel = tuple(
+            (rid, int(mode), int(rep["release_status"][lane])) for lane, rid, mode in d.releases
+        )
+        if rel:
+            log.append(("release", rel))
+        ret = tuple(
+            (rid, int(rep["retired"][lane]), int(rep["retire_status"][lane]))
+            for lane, rid in d.retire_rids.items()
+            if int(rep["retire_status"][lane]) != Status.IDLE
+        )
+        if ret:
+            log.append(("retire", ret))
+            rec = tuple(
+                (rid, int(rep["reclaim_status"][lane]))
+                for lane, rid in d.retire_rids.items()
+                if int(rep["reclaim_status"][lane]) != Status.IDLE
+            )
+            if rec:
+                log.append(("reclaim", rec))
+        ext = tuple(
+            (rid, int(rep["count"][lane]), int(rep["extend_status"][lane]))
+            for lane, rid in d.lanes.items()
+            if int(rep["extend_status"][lane]) != Status.IDLE
+        )
+        if ext:
+            log.append(("extend", ext))
+        adm = []
+        for lane, rid in d.admits.items():
+            q = self._requests[rid]
+            st = int(rep["admit_status"][lane])
+            first = int(rep["count"][lane]) if st == Status.OK else 0
+            adm.append((rid, q.namespace, q.prompt_len, first, st, int(rep["hit"][lane])))
+        if adm:
+            log.append(("admit", tuple(adm)))
