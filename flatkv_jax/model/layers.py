@@ -1,8 +1,10 @@
-"""The model's math, shared by the dense reference and the cached step.
+"""The model's math primitives, shared by the dense reference and the cached step.
 
-Both paths call these functions on the same fp32 values; they differ only in where the rows
-come from (computed for the whole sequence vs gathered from the pools). All arrays are fp32;
-``N`` is a batch of query tokens, ``E``/``K``/``M`` a per-query axis of cached entries.
+The flax modules (:mod:`flatkv_jax.model.modules`) hold the weights and wire these functions
+together once per layer kind; the dense and cached paths call the same module methods and
+differ only in where the cached rows come from (computed for the whole sequence vs gathered
+from the pools). Everything here takes plain arrays, all fp32; ``N`` is a batch of query
+tokens, ``E``/``K``/``M`` a per-query axis of cached entries.
 """
 
 from __future__ import annotations
@@ -11,9 +13,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-
-from flatkv_jax.model.config import ModelConfig
-from flatkv_jax.model.params import CompressorParams, IndexerParams, LayerParams, MTPParams
 
 
 def lead(a: jax.Array, ndim: int) -> jax.Array:
@@ -32,6 +31,7 @@ def rope(x: jax.Array, pos: jax.Array, theta: float) -> jax.Array:
     Args:
       x: ``[..., dim]`` (dim even).
       pos: int32 with shape ``x.shape[:-1]``.
+      theta: the RoPE base.
     """
     dim = x.shape[-1]
     inv = theta ** (-jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
@@ -47,6 +47,11 @@ def rope_tail(x: jax.Array, pos: jax.Array, rope_dim: int, theta: float) -> jax.
     return jnp.concatenate([x[..., :nope], rope(x[..., nope:], pos, theta)], axis=-1)
 
 
+def rope_heads(x: jax.Array, pos: jax.Array, rope_dim: int, theta: float) -> jax.Array:
+    """:func:`rope_tail` of per-head vectors ``x [N, heads, dim]`` at token positions ``pos [N]``."""
+    return rope_tail(x, jnp.broadcast_to(pos[:, None], x.shape[:-1]), rope_dim, theta)
+
+
 def masked_softmax(s: jax.Array, valid: jax.Array, axis: int) -> jax.Array:
     """Softmax of ``s`` over ``axis`` restricted to ``valid`` entries (all-invalid -> zeros)."""
     m = jnp.max(jnp.where(valid, s, -jnp.inf), axis=axis, keepdims=True)
@@ -56,23 +61,6 @@ def masked_softmax(s: jax.Array, valid: jax.Array, axis: int) -> jax.Array:
 
 
 # --- attention ------------------------------------------------------------------------------
-def project_qkv(lp: LayerParams, x: jax.Array, pos: jax.Array, cfg: ModelConfig):
-    """Queries and the shared K=V latent of tokens ``x`` at positions ``pos``.
-
-    Returns:
-      ``(x_norm [N, hidden], q [N, heads, head_dim], kv [N, head_dim])``; RoPE is applied to
-      the last ``rope_dim`` dims of ``q`` and ``kv`` at the token's position. ``kv`` is the
-      row the cache stores (before quantization).
-    """
-    xn = rms_norm(x, lp.attn_norm, cfg.eps)
-    n = x.shape[0]
-    q = (xn @ lp.wq).reshape(n, cfg.num_heads, cfg.head_dim)
-    q = rope_tail(q, jnp.broadcast_to(pos[:, None], q.shape[:-1]), cfg.rope_dim, cfg.rope_theta)
-    kv = rms_norm(xn @ lp.wkv, lp.kv_norm, cfg.eps)
-    kv = rope_tail(kv, pos, cfg.rope_dim, cfg.rope_theta)
-    return xn, q, kv
-
-
 def attend(q: jax.Array, keys: jax.Array, mask: jax.Array, sink: jax.Array) -> jax.Array:
     """Shared K=V attention with an attention sink.
 
@@ -94,80 +82,58 @@ def attend(q: jax.Array, keys: jax.Array, mask: jax.Array, sink: jax.Array) -> j
     return jnp.einsum("nhk,nkd->nhd", p, keys) / denom
 
 
-def finish_layer(lp: LayerParams, x: jax.Array, attn: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Output projection + residual, then the SwiGLU MLP + residual."""
-    x = x + attn.reshape(x.shape[0], -1) @ lp.wo
-    h = rms_norm(x, lp.mlp_norm, cfg.eps)
-    return x + (jax.nn.silu(h @ lp.w_gate) * (h @ lp.w_up)) @ lp.w_down
+def swiglu(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """``(silu(h @ w_gate) * (h @ w_up)) @ w_down``."""
+    return (jax.nn.silu(h @ w_gate) * (h @ w_up)) @ w_down
 
 
 # --- compressor -----------------------------------------------------------------------------
-def compressor_state(cp: CompressorParams, xn: jax.Array, pos: jax.Array) -> jax.Array:
+def compressor_state(
+    wkv: jax.Array, wgate: jax.Array, ape: jax.Array, xn: jax.Array, pos: jax.Array
+) -> jax.Array:
     """Per-token compressor state: ``float32[N, series, 2, dim]`` (axis 2 = kv, score).
 
     The score already includes the positional bias ``ape[series, pos % ratio]``, so a state
     row is self-contained (what the ``c*_state`` pools store).
+
+    Args:
+      wkv, wgate: ``[hidden, series * dim]`` projections.
+      ape: ``[series, ratio, dim]`` positional bias.
+      xn: ``[N, hidden]`` normed inputs.
+      pos: int32 ``[N]`` positions.
     """
-    series, ratio, dim = cp.ape.shape
+    series, ratio, dim = ape.shape
     n = xn.shape[0]
-    kv = (xn @ cp.wkv).reshape(n, series, dim)
-    bias = jnp.swapaxes(cp.ape[:, pos % ratio], 0, 1)
-    score = (xn @ cp.wgate).reshape(n, series, dim) + bias
+    kv = (xn @ wkv).reshape(n, series, dim)
+    bias = jnp.swapaxes(ape[:, pos % ratio], 0, 1)
+    score = (xn @ wgate).reshape(n, series, dim) + bias
     return jnp.stack([kv, score], axis=2)
 
 
-def compress_window(
-    cp: CompressorParams,
-    window: jax.Array,
-    valid: jax.Array,
-    row_index: jax.Array,
-    rope_dim: int,
-    cfg: ModelConfig,
-) -> jax.Array:
-    """Compressed rows from the state rows of their windows.
+def compress_window(window: jax.Array, valid: jax.Array, ratio: int) -> jax.Array:
+    """Pooled compressed rows (before the row's norm and RoPE) from their windows' state rows.
 
     Args:
-      cp: the compressor.
       window: ``[N, E, series, 2, dim]`` state rows of the raw positions
         ``(j+1)*ratio - E .. (j+1)*ratio - 1``, oldest first; ``E = 2 * ratio`` with overlap
         (the previous window contributes series 0, the row's own window the last series),
         else ``E = ratio``.
       valid: bool ``[N, E]`` (positions before 0 are invalid).
-      row_index: int32 ``[N]``, the compressed index ``j``.
-      rope_dim: RoPE dims of the row.
-      cfg: model config (eps, rope base).
+      ratio: the compression ratio.
 
     Returns:
-      ``[N, dim]``: softmax(score)-weighted sum of ``kv`` per channel, RMS-normed, RoPE'd at
-      position ``j * ratio``.
+      ``[N, dim]``: the per-channel softmax(score)-weighted sum of ``kv``.
     """
-    series, ratio, _ = cp.ape.shape
+    series = window.shape[2]
     e = window.shape[1]
     older = (jnp.arange(e) < e - ratio)[None, :, None, None]
     picked = jnp.where(older, window[:, :, 0], window[:, :, series - 1])
     kv, score = picked[:, :, 0], picked[:, :, 1]
     w = masked_softmax(score, valid[:, :, None], axis=1)
-    row = rms_norm(jnp.sum(w * kv, axis=1), cp.norm, cfg.eps)
-    return rope_tail(row, row_index * ratio, rope_dim, cfg.rope_theta)
-
-
-def window_span(cp: CompressorParams) -> int:
-    """Raw tokens one compressed row reads: ``2 * ratio`` with overlap, else ``ratio``."""
-    series, ratio, _ = cp.ape.shape
-    return series * ratio
+    return jnp.sum(w * kv, axis=1)
 
 
 # --- lightning indexer ----------------------------------------------------------------------
-def index_queries(ip: IndexerParams, xn: jax.Array, pos: jax.Array, cfg: ModelConfig):
-    """Indexer queries ``[N, index_heads, index_head_dim]`` (RoPE'd) and head weights ``[N, heads]``."""
-    n = xn.shape[0]
-    q = (xn @ ip.wq).reshape(n, cfg.index_heads, cfg.index_head_dim)
-    q = rope_tail(
-        q, jnp.broadcast_to(pos[:, None], q.shape[:-1]), cfg.index_rope_dim, cfg.rope_theta
-    )
-    return q, xn @ ip.wweights
-
-
 def index_scores(q: jax.Array, w: jax.Array, keys: jax.Array) -> jax.Array:
     """``score[n, m] = sum_h w[n, h] * relu(q[n, h] . keys[n, m]) / sqrt(d)`` -> ``[N, M]``."""
     s = jax.nn.relu(jnp.einsum("nhd,nmd->nhm", q, keys)) / math.sqrt(q.shape[-1])
@@ -182,18 +148,3 @@ def top_k_rows(scores: jax.Array, visible: jax.Array, k: int):
     kk = min(k, scores.shape[1])
     _, idx = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), kk)
     return idx.astype(jnp.int32), jnp.take_along_axis(visible, idx, axis=1)
-
-
-# --- heads ----------------------------------------------------------------------------------
-def logits_of(params_head: jax.Array, norm: jax.Array, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """``rms_norm(x) @ head`` -> ``[N, vocab]``."""
-    return rms_norm(x, norm, cfg.eps) @ params_head
-
-
-def mtp_input(
-    mp: MTPParams, tok_emb: jax.Array, prev_hidden: jax.Array, cfg: ModelConfig
-) -> jax.Array:
-    """The MTP layer's input at position ``q``: mixes ``embed(t_q)`` and the hidden of ``q - 1``."""
-    e = rms_norm(tok_emb, mp.enorm, cfg.eps)
-    h = rms_norm(prev_hidden, mp.hnorm, cfg.eps)
-    return jnp.concatenate([e, h], axis=-1) @ mp.proj

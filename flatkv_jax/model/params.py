@@ -7,6 +7,7 @@ Layers differ by kind (window-only, CSA, HCA), so the layer list is a tuple of
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -225,3 +226,51 @@ def init_params(cfg: ModelConfig, seed: int) -> Params:
 def param_shapes(cfg: ModelConfig) -> Params:
     """``jax.ShapeDtypeStruct`` leaves of :func:`init_params` (no memory; any geometry)."""
     return _init(cfg, _Normal(0, shapes_only=True))
+
+
+class _Flat:
+    """Hands out ``offset + scale * x`` from consecutive slices of one flat N(0, 1) draw, in
+    :func:`_init`'s order (NumPy when the draw is concrete, jnp under a trace)."""
+
+    shapes_only = False
+
+    def __init__(self, flat):
+        self.flat = flat
+        self.used = 0
+
+    def __call__(self, shape: tuple[int, ...], scale: float = 1.0, offset: float = 0.0):
+        n = math.prod(shape)
+        x = self.flat[self.used : self.used + n].reshape(shape)
+        self.used += n
+        if isinstance(x, np.ndarray):
+            return jnp.asarray(offset + scale * x, jnp.float32)
+        return offset + scale * x
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Number of fp32 weights of ``cfg``."""
+    return sum(math.prod(a.shape) for a in jax.tree.leaves(param_shapes(cfg)))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _flat_normal(n: int, key: jax.Array) -> jax.Array:
+    return jax.random.normal(key, (n,), jnp.float32)
+
+
+def random_params(cfg: ModelConfig, key: jax.Array) -> Params:
+    """Random parameters of ``cfg`` from a JAX PRNG key (deterministic; the same scales as
+    :func:`init_params`, other values).
+
+    One ``jax.random.normal`` draw covers every weight and is sliced in a fixed order, so the
+    tiny model initialises with one small compilation on CPU (one draw per weight would
+    compile a threefry kernel per shape). Under a trace (``jax.eval_shape``, ``nnx.eval_shape``,
+    ``jax.jit``) nothing is materialised on the host.
+
+    Args:
+      cfg: the model config.
+      key: a PRNG key, e.g. ``nnx.Rngs(0).params()``.
+    """
+    flat = _flat_normal(param_count(cfg), key)
+    if not isinstance(flat, jax.core.Tracer):
+        flat = np.asarray(flat)
+    return _init(cfg, _Flat(flat))

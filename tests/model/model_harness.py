@@ -18,13 +18,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from flatkv_jax import ServingLimits, plan_with_pages
 from flatkv_jax.coordinator import ReleaseMode, create_state, host, ops, step_metadata
 from flatkv_jax.coordinator.audit import check_state, page_counts
 from flatkv_jax.model import (
+    DeepSeekV4,
     DraftBatch,
     StepBatch,
     dense_forward,
@@ -68,15 +71,37 @@ def jitted(cfg, plan):
     return make_step(cfg, plan), (make_propose(cfg, plan) if plan.limits.verify_width else None)
 
 
+@functools.cache
+def nnx_jitted(graphdef, plan):
+    """The engine-side jit of a flax model (``nnx.split`` once, ``nnx.merge`` inside the jitted
+    function, pools donated): ``fn(weights, pools, batch, meta, table_buffer)``."""
+
+    @functools.partial(jax.jit, donate_argnums=1)
+    def step(weights, pools, batch, meta, table_buffer):
+        model = nnx.merge(graphdef, weights)
+        return model.step(pools, batch, meta, table_buffer, plan=plan)
+
+    @functools.partial(jax.jit, donate_argnums=1)
+    def propose(weights, pools, batch, meta, table_buffer):
+        model = nnx.merge(graphdef, weights)
+        return model.propose(pools, batch, meta, table_buffer, plan=plan)
+
+    return step, (propose if plan.limits.verify_width else None)
+
+
 def dense(params, cfg, plan, tokens):
-    """``dense_forward`` on ``tokens`` padded to a fixed length (one compilation per plan).
+    """Dense recompute of ``tokens`` padded to a fixed length (one compilation per plan):
+    ``dense_forward`` of a ``Params`` pytree, or ``DeepSeekV4.dense`` of a model.
 
     The model is causal, so the padding cannot change the outputs of the real positions.
     """
     length = plan.limits.max_context + plan.limits.verify_width + 1
     padded = np.zeros(length, np.int32)
     padded[: len(tokens)] = tokens
-    logits, hidden, draft = dense_forward(params, jnp.asarray(padded), cfg)
+    if isinstance(params, DeepSeekV4):
+        logits, hidden, draft = params.dense(jnp.asarray(padded))
+    else:
+        logits, hidden, draft = dense_forward(params, jnp.asarray(padded), cfg)
     cut = len(tokens)
     return (
         np.asarray(logits)[:cut],
@@ -128,13 +153,21 @@ class Engine:
     rounds, retract. Requests are named by engine ids (``admit``'s return value)."""
 
     def __init__(self, cfg, plan, params, *, pools=None, rng=None, publish=False):
-        """``publish``: pass token ids to admit/extend (prefix matching and publishing)."""
-        self.cfg, self.plan, self.params = cfg, plan, params
+        """``params``: a ``Params`` pytree (the functional ``make_step``) or a ``DeepSeekV4``
+        module (jitted the flax way, see :func:`nnx_jitted`; dense reference ``model.dense``).
+        ``publish``: pass token ids to admit/extend (prefix matching and publishing)."""
+        self.cfg, self.plan = cfg, plan
+        self.model = params if isinstance(params, DeepSeekV4) else None
+        if self.model is None:
+            self.params = params
+            self.step_fn, self.propose_fn = jitted(cfg, plan)
+        else:
+            graphdef, self.params = nnx.split(self.model)
+            self.step_fn, self.propose_fn = nnx_jitted(graphdef, plan)
         self.publish = publish
         self.by_prefix: dict[tuple[int, ...], np.ndarray] = {}  # hidden of a prefix's last token
         self.state = create_state(plan)
         self.pools = create_pools(plan) if pools is None else pools
-        self.step_fn, self.propose_fn = jitted(cfg, plan)
         self.k = plan.limits.verify_width
         self.rng = rng if rng is not None else np.random.default_rng(0)
         self.handle: dict[int, tuple[int, int] | None] = {}  # None: admitted by its first step
@@ -350,7 +383,8 @@ class Engine:
     def check_parity(self, rid: int, tol: float = TOL, draft: bool = True) -> float:
         """Max |cached - dense| over the request's accepted, self-computed positions."""
         c = self.c(rid)
-        ref_logits, _, ref_draft = dense(self.params, self.cfg, self.plan, self.seq[rid][:c])
+        ref = self.params if self.model is None else self.model
+        ref_logits, _, ref_draft = dense(ref, self.cfg, self.plan, self.seq[rid][:c])
         positions = range(self.first[rid], c)
         got = np.stack([self.logits[rid][p] for p in positions])
         err = float(np.abs(got - ref_logits[self.first[rid] : c]).max())

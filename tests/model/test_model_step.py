@@ -229,3 +229,54 @@ def test_step_input_errors(fp32_setup):
     draft = DraftBatch(_sds((r,)), _sds((r, s.cfg.hidden), jnp.float32), _sds((r,)))
     with pytest.raises(ValueError, match=r"active=\(\(4,\), 'int32'\) is invalid: expected shape"):
         jax.eval_shape(make_propose(s.cfg, s.plan), s.params, pools, draft, meta, tables)
+
+
+def test_step_rejects_pools_and_tables_of_another_plan(fp32_setup):
+    """Pools, table buffer or metadata of another plan raise at trace time, naming the array
+    and the fix, instead of retracing the step for the new shapes."""
+    s = fp32_setup
+    fn = make_step(s.cfg, s.plan)
+    pools, batch, meta, tables = _abstract(s.cfg, s.plan)
+    bigger = make_plan(s.cfg, pages=64)
+
+    def call(pools=pools, meta=meta, tables=tables):
+        return jax.eval_shape(fn, s.params, pools, batch, meta, tables)
+
+    with pytest.raises(
+        ValueError,
+        match=r"pools\[swa_kv\.kv, layer 0\]=\(\(66, 4, 64\), 'float32'\) is invalid: the "
+        r"plan's array is shape \(42, 4, 64\) of float32 \(42 pages\); these pools were built "
+        r"for another plan\. Fix: create the pools with create_pools\(plan\)",
+    ):
+        call(pools=Pools(pool_specs(bigger)))
+    # Another row format: same page counts, other dtype.
+    bf16 = make_plan(tiny_model(kv_format="bf16"))
+    with pytest.raises(
+        ValueError, match=r"pools\[swa_kv\.kv, layer 0\]=\(\(42, 4, 64\), 'bfloat16'\) is invalid"
+    ):
+        call(pools=Pools(pool_specs(bf16)))
+    no_mtp = make_plan(tiny_model(num_mtp_layers=0))
+    with pytest.raises(ValueError, match=r"pools='6 groups' is invalid: the plan has 7 groups"):
+        call(pools=Pools(pool_specs(no_mtp)))
+    with pytest.raises(TypeError, match=r"pools='tuple' is invalid: it must be the Pools of"):
+        call(pools=pool_specs(s.plan))
+    more_requests = make_plan(s.cfg, dataclasses.replace(LIMITS, max_requests=8))
+    with pytest.raises(
+        ValueError,
+        match=r"table_buffer=\(\(\d+,\), 'int32'\) is invalid: expected shape \(\d+,\) and "
+        r"dtype int32: the state's table buffer of this plan\. Fix: pass CacheState",
+    ):
+        call(tables=_abstract(s.cfg, more_requests)[3])
+    # The metadata of a plan with a longer step.
+    longer = make_plan(s.cfg, dataclasses.replace(LIMITS, step_tokens=24))
+    with pytest.raises(
+        ValueError, match=r"meta\.token_slot=\(\(24,\), 'int32'\) is invalid: expected shape"
+    ):
+        call(meta=_metadata(longer))
+    # propose checks the pools the same way.
+    r = s.plan.limits.max_requests
+    draft = DraftBatch(_sds((r,)), _sds((r, s.cfg.hidden), jnp.float32), _sds((r,), jnp.bool_))
+    with pytest.raises(ValueError, match=r"pools\[swa_kv\.kv, layer 0\]=\(\(66, 4, 64\)"):
+        jax.eval_shape(
+            make_propose(s.cfg, s.plan), s.params, Pools(pool_specs(bigger)), draft, meta, tables
+        )
