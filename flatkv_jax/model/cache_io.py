@@ -30,7 +30,7 @@ from flatkv_jax.model.config import ModelConfig
 from flatkv_jax.plan import CachePlan
 from flatkv_jax.pools import Pools, pool_specs
 from flatkv_jax.recipes.deepseek_v4 import deepseek_v4_groups
-from kernels_pallas import Impl
+from kernels_pallas import Impl, zero_pages
 from kernels_pallas import write_rows as _write_rows
 
 
@@ -121,8 +121,13 @@ class PoolEditor:
         gi, fi, li = self._where(g, field, layer)
         self.arrays[gi][fi][li] = value
 
-    def zero(self, gi: int, page_ids: jax.Array, impl: Impl) -> None:
-        zeroed = self.pools().zero_group(gi, page_ids, impl=impl)
+    def zero(self, gi: int, page_ids: jax.Array, impl: Impl, interpret=False) -> None:
+        pools = self.pools()
+        if interpret is False:
+            zeroed = pools.zero_group(gi, page_ids, impl=impl)
+        else:  # Pools.zero_group has no interpret mode: the kernel call it makes, with one
+            flat = zero_pages(pools.flat_group(gi), page_ids, impl=impl, interpret=interpret)
+            zeroed = pools.with_flat_group(gi, flat)
         self.arrays[gi] = [list(per_field) for per_field in zeroed.arrays[gi]]
 
     def pools(self) -> Pools:
@@ -134,11 +139,13 @@ class CacheContext:
     """Static context of one traced call plus the addressing of ``N`` tokens.
 
     ``slot``, ``pos`` and ``row`` (metadata row) are ``[N]`` with ``-1`` for idle tokens;
-    ``write_slot`` is ``[G, N]``, the coordinator's write slots of those tokens.
+    ``write_slot`` is ``[G, N]``, the coordinator's write slots of those tokens; ``interpret``
+    the kernels' interpret mode (resolved, see :func:`resolve_kernels`).
     """
 
     plan: CachePlan
     impl: Impl
+    interpret: object
     meta: StepMetadata
     table_buffer: jax.Array
     columns: tuple[tuple[int, int], ...]
@@ -173,9 +180,36 @@ class CacheContext:
     ) -> jax.Array:
         """Writes each token's row at the coordinator's write slot; returns the new array."""
         slots = self.write_slot[self.plan.group_index(g.name)]
-        pool = _write_rows(ed.get(g, field, layer), rows, slots, impl=self.impl)
+        pool = _write_rows(
+            ed.get(g, field, layer), rows, slots, impl=self.impl, interpret=self.interpret
+        )
         ed.set(g, field, layer, pool)
         return pool
+
+
+def resolve_kernels(impl: Impl | str, interpret: object = None) -> tuple[Impl, object]:
+    """``(impl, interpret)`` for the page kernels.
+
+    ``interpret=None`` (auto) is ``True`` for the Pallas TPU kernels on a CPU backend (their
+    interpret mode, so ``impl="pallas_tpu"`` runs in CPU tests) and ``False`` otherwise;
+    anything else is passed to the kernels as given (``True``, ``False`` or
+    ``pltpu.InterpretParams()``; the kernels reject an interpret mode for ``Impl.REFERENCE``).
+    """
+    if isinstance(impl, Impl):
+        resolved = impl
+    else:
+        try:
+            resolved = Impl(impl)
+        except ValueError:
+            fail(
+                "impl",
+                impl,
+                f"it must be one of {[m.value for m in Impl]}",
+                "pass impl=Impl.REFERENCE or impl='pallas_tpu'",
+            )
+    if interpret is None:
+        interpret = resolved is Impl.PALLAS_TPU and jax.default_backend() == "cpu"
+    return resolved, interpret
 
 
 def columns(plan: CachePlan, max_count: int | None) -> tuple[tuple[int, int], ...]:

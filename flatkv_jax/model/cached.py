@@ -30,6 +30,7 @@ from flatkv_jax.model.cache_io import (
     check_plan,
     check_pools,
     check_step_inputs,
+    resolve_kernels,
 )
 from flatkv_jax.model.config import ModelConfig
 from flatkv_jax.model.modules import DeepSeekV4
@@ -65,13 +66,15 @@ def step(
     plan: CachePlan,
     max_count: int | None = None,
     impl: Impl | str = Impl.REFERENCE,
+    interpret: object = None,
 ) -> tuple[StepOutput, Pools]:
     """:meth:`DeepSeekV4.step <flatkv_jax.model.DeepSeekV4.step>` of the model holding
     ``params``. Use :func:`make_step` for the jitted version with ``pools`` donated.
 
     Args:
       params: model parameters.
-      pools, batch, meta, table_buffer, plan, max_count, impl: as in ``DeepSeekV4.step``.
+      pools, batch, meta, table_buffer, plan, max_count, impl, interpret: as in
+        ``DeepSeekV4.step``.
       cfg: the static model config.
 
     Returns:
@@ -94,6 +97,7 @@ def propose(
     num_draft: int,
     max_count: int | None = None,
     impl: Impl | str = Impl.REFERENCE,
+    interpret: object = None,
 ) -> tuple[DraftOutput, Pools]:
     """:meth:`DeepSeekV4.propose <flatkv_jax.model.DeepSeekV4.propose>` of the model holding
     ``params`` (``num_draft`` required here)."""
@@ -122,6 +126,7 @@ def propose(
         num_draft=num_draft,
         max_count=max_count,
         impl=impl,
+        interpret=interpret,
     )
 
 
@@ -131,6 +136,7 @@ def make_step(
     *,
     max_count: int | None = None,
     impl: Impl | str = Impl.REFERENCE,
+    interpret: object = None,
 ):
     """``jax.jit`` of :func:`step` for one (cfg, plan): ``fn(params, pools, batch, meta,
     table_buffer)``.
@@ -140,9 +146,10 @@ def make_step(
     compilation (per metadata row count, i.e. per tuple of results given to ``step_metadata``).
     """
     check_plan(cfg, plan)
+    impl, interpret = resolve_kernels(impl, interpret)
     mc = resolve_max_count(plan, max_count)
     return jax.jit(
-        functools.partial(step, cfg=cfg, plan=plan, max_count=mc, impl=Impl(impl)),
+        functools.partial(step, cfg=cfg, plan=plan, max_count=mc, impl=impl, interpret=interpret),
         donate_argnums=1,
     )
 
@@ -154,6 +161,7 @@ def make_propose(
     num_draft: int | None = None,
     max_count: int | None = None,
     impl: Impl | str = Impl.REFERENCE,
+    interpret: object = None,
 ):
     """``jax.jit`` of :func:`propose`: ``fn(params, pools, batch, meta, table_buffer)``, pools
     donated.
@@ -162,8 +170,17 @@ def make_propose(
     """
     check_plan(cfg, plan)
     k = plan.limits.verify_width if num_draft is None else num_draft
+    impl, interpret = resolve_kernels(impl, interpret)
     mc = resolve_max_count(plan, max_count)
     return jax.jit(
-        functools.partial(propose, cfg=cfg, plan=plan, num_draft=k, max_count=mc, impl=Impl(impl)),
+        functools.partial(
+            propose,
+            cfg=cfg,
+            plan=plan,
+            num_draft=k,
+            max_count=mc,
+            impl=impl,
+            interpret=interpret,
+        ),
         donate_argnums=1,
     )

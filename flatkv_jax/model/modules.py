@@ -41,6 +41,7 @@ from flatkv_jax.model.cache_io import (
     check_draft_inputs,
     check_step_inputs,
     columns,
+    resolve_kernels,
 )
 from flatkv_jax.model.config import ModelConfig
 from flatkv_jax.model.params import (
@@ -553,6 +554,7 @@ class DeepSeekV4(nnx.Module):
         plan: CachePlan,
         max_count: int | None = None,
         impl: Impl | str = Impl.REFERENCE,
+        interpret: object = None,
     ) -> tuple[StepOutput, Pools]:
         """One serving step of the target model (and the MTP layer over the same tokens).
 
@@ -571,7 +573,10 @@ class DeepSeekV4(nnx.Module):
             ``cfg.cache``).
           max_count: the static per-row bound the step's admit/extend calls and
             ``step_metadata`` used (sizes the window columns; default as the coordinator's).
-          impl: kernel implementation for ``write_rows`` / ``zero_pages``.
+          impl: kernel implementation for ``write_rows`` / ``zero_pages`` (``Impl`` or its
+            string value).
+          interpret: the Pallas kernels' interpret mode; ``None`` (auto): on for
+            ``impl="pallas_tpu"`` on a CPU backend, else off.
 
         Returns:
           ``(StepOutput, pools)`` with this step's rows written into ``pools``.
@@ -582,13 +587,14 @@ class DeepSeekV4(nnx.Module):
         """
         cfg = self.cfg
         check_step_inputs(cfg, plan, pools, batch, meta, table_buffer, max_count)
-        impl = Impl(impl)
+        impl, interpret = resolve_kernels(impl, interpret)
         ed = PoolEditor.of(plan, pools)
         for gi in range(len(plan.groups)):
-            ed.zero(gi, meta.zero[gi], impl)
+            ed.zero(gi, meta.zero[gi], impl, interpret)
         ctx = CacheContext(
             plan,
             impl,
+            interpret,
             meta,
             table_buffer,
             columns(plan, max_count),
@@ -628,6 +634,7 @@ class DeepSeekV4(nnx.Module):
         num_draft: int | None = None,
         max_count: int | None = None,
         impl: Impl | str = Impl.REFERENCE,
+        interpret: object = None,
     ) -> tuple[DraftOutput, Pools]:
         """The MTP layer proposes ``num_draft`` tokens per active request, greedily, one
         position at a time, into the verify block the coordinator just scheduled.
@@ -647,7 +654,7 @@ class DeepSeekV4(nnx.Module):
             draft-owned groups are applied here (a page handed out by ``extend`` must be zeroed
             by the first function that touches its pool; the step zeroes it again, harmlessly,
             since only positions it rewrites live in new pages).
-          plan, impl: as in :meth:`step`.
+          plan, impl, interpret: as in :meth:`step`.
           num_draft: tokens to propose (static, ``>= 1``; default ``plan.limits.verify_width``;
             a proposing row needs ``row_count >= num_draft``).
 
@@ -658,11 +665,11 @@ class DeepSeekV4(nnx.Module):
         if num_draft is None and isinstance(plan, CachePlan):
             num_draft = plan.limits.verify_width
         check_draft_inputs(cfg, plan, pools, batch, meta, table_buffer, num_draft, max_count)
-        impl = Impl(impl)
+        impl, interpret = resolve_kernels(impl, interpret)
         ed = PoolEditor.of(plan, pools)
         for gi, g in enumerate(plan.groups):
             if g.owner is Owner.DRAFT:
-                ed.zero(gi, meta.zero[gi], impl)
+                ed.zero(gi, meta.zero[gi], impl, interpret)
         gi = plan.group_index("mtp_swa_kv")
         cols = columns(plan, max_count)
         s, t, r = meta.row_slot.shape[0], plan.limits.step_tokens, plan.limits.max_requests
@@ -688,6 +695,7 @@ class DeepSeekV4(nnx.Module):
             ctx = CacheContext(
                 plan,
                 impl,
+                interpret,
                 meta,
                 table_buffer,
                 cols,

@@ -130,3 +130,24 @@ def test_constructor_errors():
         DeepSeekV4.from_params(cfg, init_params(tiny_model(num_layers=1, hidden=32), 0))
     with pytest.raises(ValueError, match=r"tokens=.*is invalid: one sequence of int32 token ids"):
         DeepSeekV4.from_params(cfg, init_params(cfg, 0)).dense(jnp.zeros((2, 3), jnp.int32))
+
+
+def test_step_checks_run_through_the_module(fp32_setup):
+    """The module's step checks its inputs at trace time like the functional one: pools of
+    another plan and an unknown kernel implementation."""
+    s = fp32_setup
+    model = DeepSeekV4.from_params(s.cfg, s.params)
+    pools, batch, meta, tables = _abstract(s.cfg, s.plan)
+
+    def trace(pools=pools, **kw):
+        def f(*args):
+            return model.step(*args, plan=s.plan, **kw)
+
+        return jax.eval_shape(f, pools, batch, meta, tables)
+
+    with pytest.raises(ValueError, match=r"pools\[swa_kv\.kv, layer 0\]=\(\(66, 4, 64\)"):
+        trace(pools=_abstract(s.cfg, make_plan(s.cfg, pages=64))[0])
+    with pytest.raises(ValueError, match=r"impl='cuda' is invalid: it must be one of"):
+        trace(impl="cuda")
+    out, _ = trace(impl="reference")
+    assert out.logits.shape == (s.plan.limits.step_tokens, s.cfg.vocab)
