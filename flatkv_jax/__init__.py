@@ -8,7 +8,11 @@ Public surface (import from here):
   :func:`plan_with_pages`, :func:`memory_report`
 - pools: :class:`Pools`, :func:`create_pools`
 - recipes: :mod:`flatkv_jax.recipes`
+
+``__version__`` is the package version (pyproject reads it from here).
 """
+
+__version__ = "0.1.0"
 
 from flatkv_jax import formats
 from flatkv_jax.capacity import parse_size, plan_for_budget, plan_with_pages

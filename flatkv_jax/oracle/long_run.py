@@ -18,6 +18,7 @@ import sys
 import time
 
 from flatkv_jax import ServingLimits, plan_with_pages
+from flatkv_jax.cli import whole_number
 from flatkv_jax.oracle.differential import run_trace
 from flatkv_jax.oracle.oracle import RadixOracle
 from flatkv_jax.oracle.traces import TraceConfig, random_trace
@@ -44,13 +45,28 @@ def diff_plan():
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m flatkv_jax.oracle.long_run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--ops", type=int, default=100_000, help="operations to run in total")
-    ap.add_argument("--trace-ops", type=int, default=40, help="operations per trace")
-    ap.add_argument("--seed", type=int, default=10_000, help="seed of the first trace")
+    # Every count is checked by its argparse type: a trace of 0 ops would never advance the
+    # total (an endless loop) and a negative total would divide by zero in the summary.
+    ap.add_argument(
+        "--ops", type=whole_number("--ops", 1), default=100_000, help="operations in total"
+    )
+    ap.add_argument(
+        "--trace-ops", type=whole_number("--trace-ops", 1), default=40, help="operations per trace"
+    )
+    ap.add_argument(
+        "--seed", type=whole_number("--seed", 0), default=10_000, help="seed of the first trace"
+    )
     ap.add_argument("--device", action="store_true", help="compare with the device coordinator")
-    ap.add_argument("--lanes", type=int, default=256, help="device traces run in lockstep")
+    ap.add_argument(
+        "--lanes",
+        type=whole_number("--lanes", 1),
+        default=256,
+        help="device traces run in lockstep",
+    )
     ap.add_argument("--no-prefix", action="store_true", help="device: pass no tokens (no hits)")
     args = ap.parse_args(argv)
     plan = diff_plan()

@@ -202,8 +202,13 @@ class RadixOracle:
 
     @staticmethod
     def _run_start(g, h: int) -> int:
-        """First block a hit at ``h`` needs: 0 for history, the trailing run for windows."""
-        return max(0, (h - g.window) // g.block_tokens) if g.is_window else 0
+        """First block a hit at ``h`` needs: 0 for history, the trailing run for windows.
+
+        The first position the new request computes is ``h``; its window reaches back to
+        ``h - W + 1``, so the run starts at the block holding that position — exactly the
+        blocks a request with ``c = h`` keeps after reclaim (docs/semantics.md).
+        """
+        return max(0, (h - g.window + 1) // g.block_tokens) if g.is_window else 0
 
     def _publish(self, req: _Request) -> None:
         """Registers every complete committed block not yet in the index (first key wins)."""
@@ -236,7 +241,9 @@ class RadixOracle:
 
         Per row: IDLE, BAD_ARG (``prompt_len < 1``, ``first_chunk`` outside ``[0,
         min(prompt_len, max_count)]``), TOO_LONG (``prompt_len > max_context``), NO_SLOT,
-        OUT_OF_PAGES (the first row that does not fit and every later one), else OK.
+        STEP_FULL (the call's first chunks so far pass ``step_tokens``; that row and every
+        later one), OUT_OF_PAGES (the first row that does not fit and every later one), else
+        OK. Each oracle call is one step of its own.
         """
         plan, res = self.plan, empty_result(batch.valid.shape[0])
         max_ctx = plan.limits.max_context
@@ -258,16 +265,22 @@ class RadixOracle:
         # NO_SLOT), whether or not earlier rows were served: NO_SLOT outranks OUT_OF_PAGES.
         free_slots = [x for x, r in enumerate(self.requests) if r is None]
         stopped = False
+        scheduled, step_full = 0, False  # the step budget (tokens of rows with a slot)
         for k, (i, h, hits) in enumerate(rows):
             if k >= len(free_slots):
                 res.status[i] = Status.NO_SLOT
                 continue
             slot = free_slots[k]
+            plen = int(batch.prompt_len[i])
+            count = min(int(batch.first_chunk[i]), plen - h)
+            scheduled += count
+            step_full = step_full or scheduled > plan.limits.step_tokens
+            if step_full:
+                res.status[i] = Status.STEP_FULL
+                continue
             if stopped:
                 res.status[i] = Status.OUT_OF_PAGES
                 continue
-            plen = int(batch.prompt_len[i])
-            count = min(int(batch.first_chunk[i]), plen - h)
             demand = [-(-(h + count) // g.block_tokens) - h // g.block_tokens for g in plan.groups]
             short_g, short_n = self._short(demand, supply)
             if short_g >= 0:
@@ -309,11 +322,13 @@ class RadixOracle:
         """Grows tables for the next step's tokens; the first short row stops the rest.
 
         Per row: IDLE, STALE (incl. a pending release), BAD_ARG (repeated slot, count outside
-        ``[1, max_count]``), FIFO_FULL, TOO_LONG, OUT_OF_PAGES, else OK.
+        ``[1, max_count]``), FIFO_FULL, TOO_LONG, STEP_FULL (the call's counts so far pass
+        ``step_tokens``; that row and every later one), OUT_OF_PAGES, else OK.
         """
         res = empty_result(batch.valid.shape[0])
         supply = [pool.supply(set()) for pool in self.pools]
         stopped = False
+        scheduled, step_full = 0, False
         for i, _, req, status in self._rows(batch, allow_pending=False):
             count = int(batch.count[i])
             if status is None and not 1 <= count <= self.max_count:
@@ -324,12 +339,16 @@ class RadixOracle:
                 res.status[i] = Status.FIFO_FULL
             elif req.n + count > self.max_extent:
                 res.status[i] = Status.TOO_LONG
+            elif step_full or scheduled + count > self.plan.limits.step_tokens:
+                res.status[i], step_full = Status.STEP_FULL, True
             elif stopped:
                 res.status[i] = Status.OUT_OF_PAGES
+                scheduled += count  # its tokens still count (as the device's)
             else:
                 slots = self._new_slots(req, req.n, count)
                 demand = [len(x) for x in slots]
                 short_g, short_n = self._short(demand, supply)
+                scheduled += count
                 if short_g >= 0:
                     res.status[i], res.short_group[i], res.short_pages[i] = (
                         Status.OUT_OF_PAGES,

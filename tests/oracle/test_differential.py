@@ -8,6 +8,8 @@ Long runs (not in CI): ``python -m flatkv_jax.oracle.long_run --ops 100000 [--de
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -15,9 +17,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle_cases import full_plan, hybrid_plan
 
+from flatkv_jax import ServingLimits, plan_with_pages
 from flatkv_jax.oracle import RadixOracle, TraceConfig, random_trace, run_trace
 from flatkv_jax.oracle.long_run import diff_plan, main
 from flatkv_jax.oracle.oracle import HostPool
+from flatkv_jax.recipes import hybrid_swa_groups
 
 PLAN = diff_plan()
 
@@ -197,6 +201,34 @@ def test_long_run_command(capsys):
     assert "2 traces, 60 ops, 0 divergences" in out
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--ops", "-5"], "argument --ops: -5 is invalid: it must be positive. Fix: pass --ops 1 or more"),
+        (["--ops", "0"], "argument --ops: 0 is invalid: it must be positive"),
+        (["--ops", "x"], "argument --ops: 'x' is invalid: it must be a whole number. Fix: pass --ops as an integer"),
+        (["--trace-ops", "-1"], "argument --trace-ops: -1 is invalid: it must be positive. Fix: pass --trace-ops 1 or more"),
+        (["--lanes", "0"], "argument --lanes: 0 is invalid: it must be positive. Fix: pass --lanes 1 or more"),
+        (["--seed", "-1"], "argument --seed: -1 is invalid: it must be >= 0. Fix: pass --seed 0 or more"),
+    ],
+)  # fmt: skip
+def test_long_run_rejects_bad_counts(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"python -m flatkv_jax.oracle.long_run: error: {message}"), err
+
+
+def test_long_run_refuses_empty_traces():
+    """``--trace-ops 0`` never advanced the total (an endless loop): now a usage error. In a
+    subprocess with a timeout, so a regression fails instead of hanging the suite."""
+    cmd = [sys.executable, "-m", "flatkv_jax.oracle.long_run", "--ops", "10", "--trace-ops", "0"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 2
+    assert "argument --trace-ops: 0 is invalid: it must be positive" in r.stderr
+
+
 def test_host_pool_counts_add_up():
     pool = HostPool(PLAN, 0)
     free, in_use, cached = pool.counts()
@@ -261,3 +293,36 @@ def test_prefix_reuse_needs_the_prefix_api(monkeypatch):
     monkeypatch.setattr(lockstep, "prefix_api", lambda: False)
     with pytest.raises(ValueError, match="has no tokens field"):
         lockstep.LockstepDevice(PLAN, 2, prefix_reuse=True)
+
+
+# --- 1-token window blocks ---------------------------------------------------------------------
+def one_token_window_plan():
+    """``full_kv`` + ``swa_kv`` (window 8) with 1-token blocks: the prefix granularity is 1, so
+    hits land at every length and nothing rounds the window's trailing run to a block edge (an
+    off-by-one in its first block shows at once)."""
+    groups = hybrid_swa_groups("SF", 1, 4, 8, dtype="float32", rows_per_page=1)
+    lim = ServingLimits(max_requests=4, max_context=48, chunk_tokens=16, verify_width=2)
+    return plan_with_pages(groups, lim, {"full_kv": 96, "swa_kv": 24})
+
+
+def test_window_trailing_run_starts_at_the_first_position_the_hit_reads():
+    """A hit at ``h`` computes position ``h`` first; its window reaches back to ``h - W + 1``."""
+    swa = one_token_window_plan().group("swa_kv")
+    assert (swa.block_tokens, swa.window) == (1, 8)
+    assert [RadixOracle._run_start(swa, h) for h in (1, 7, 8, 9, 16)] == [0, 0, 1, 2, 9]
+    v4_swa = PLAN.group("swa_kv")  # 4-token blocks, window 8: positions 9..16 -> blocks 2..3
+    assert RadixOracle._run_start(v4_swa, 16) == 2
+
+
+def test_device_matches_the_oracle_on_one_token_window_blocks():
+    """CI scale (one compilation, 128 lanes x 25 ops): the device and the oracle agree on
+    1-token window blocks, where the trailing run's first block is exactly ``h - W + 1``."""
+    from flatkv_jax.oracle.lockstep import LockstepDevice, run_lockstep
+
+    plan = one_token_window_plan()
+    traces = [random_trace(plan, 5000 + seed, TraceConfig(num_ops=25)) for seed in range(128)]
+    reports = run_lockstep(traces, LockstepDevice(plan, 128))
+    bad = [r.divergence for r in reports if not r.ok]
+    assert not bad, f"{len(bad)} of {len(reports)} traces diverge; first:\n{bad[0]}"
+    assert sum(r.ops for r in reports) == 128 * 25
+    assert sum(r.hit_tokens for r in reports) > 0
