@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from fractions import Fraction
 
-from flatkv_jax.errors import check_nonnegative_int, check_positive_int, fail
+from flatkv_jax.errors import check_nonnegative_int, check_positive_int, fail, is_int
 from flatkv_jax.groups import GroupSpec
 from flatkv_jax.plan import RESERVED_PAGES, CachePlan, ServingLimits
 
@@ -26,10 +27,27 @@ _UNITS = {
 
 
 def parse_size(text: str | int, what: str = "size") -> int:
-    """Parses ``"80GiB"``, ``"80k"``, ``"1.5GB"`` or ``4096`` into an int (bytes or tokens)."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        return text
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    """Parses ``"80GiB"``, ``"80k"``, ``"1.5GB"`` or ``4096`` into an int (bytes or tokens).
+
+    An int (Python or NumPy) is returned as is. A string is a decimal number with an optional
+    unit; the result must be a whole number (``"1.5k"`` is 1500, ``"1.5"`` is refused, never
+    truncated), computed exactly (no float rounding).
+
+    Raises:
+      ValueError: not a number with a known unit, or not a whole number.
+      TypeError: a bool or a float (write the size as a string or an int).
+    """
+    if is_int(text):
+        return int(text)
+    if not isinstance(text, str):
+        fail(
+            what,
+            text,
+            "a size is an int or a string such as '80GiB'",
+            "pass an int or a string",
+            exc=TypeError,
+        )
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
         fail(
             what,
@@ -37,7 +55,15 @@ def parse_size(text: str | int, what: str = "size") -> int:
             "expected a number with an optional unit (k, M, G, KiB, MiB, GiB, TiB)",
             "write e.g. 80GiB or 80k",
         )
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    value = Fraction(m.group(1)) * _UNITS[m.group(2).lower()]
+    if value.denominator != 1:
+        fail(
+            what,
+            text,
+            "it must be a whole number of bytes or tokens (it is never truncated)",
+            "write a whole number, e.g. 2 or 1.5k",
+        )
+    return int(value)
 
 
 def window_pages(
@@ -151,8 +177,8 @@ def plan_with_pages(
       ValueError: a group is missing from ``pages``, an unknown name is given, or a pool is too
         small for one request.
     """
-    if isinstance(pages, int):
-        pages = {g.name: pages for g in groups}
+    if is_int(pages):
+        pages = {g.name: int(pages) for g in groups}
     if not isinstance(pages, Mapping):
         fail(
             "pages",
@@ -173,11 +199,10 @@ def plan_with_pages(
         )
     if missing:
         fail("pages", missing, "every group needs a page count", "add the missing groups")
-    for n in names:
-        check_positive_int(f"pages[{n}]", pages[n])
+    counts = [check_positive_int(f"pages[{n}]", pages[n]) for n in names]
     return CachePlan(
         groups=tuple(groups),
         limits=limits,
-        num_pages=tuple(pages[n] + RESERVED_PAGES for n in names),
+        num_pages=tuple(c + RESERVED_PAGES for c in counts),
         name=name,
     )

@@ -6,6 +6,7 @@ can act on it without reading our source (the equinox habit).
 
 from __future__ import annotations
 
+import numbers
 from typing import NoReturn
 
 
@@ -24,19 +25,27 @@ def fail(
     raise exc(f"{what}={value!r} is invalid: {rule}. Fix: {fix}.")
 
 
+def is_int(value: object) -> bool:
+    """Whether ``value`` is an integer: a Python ``int`` or a NumPy integer scalar, never a
+    bool (Python or NumPy) nor a float. Every size check of the library uses this rule."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def check_positive_int(what: str, value: object, fix: str | None = None) -> int:
-    """Returns ``value`` if it is a positive ``int`` (not bool), else raises."""
-    if not isinstance(value, int) or isinstance(value, bool):
+    """Returns ``value`` as a Python ``int`` if it is a positive integer (see :func:`is_int`),
+    else raises."""
+    if not is_int(value):
         fail(what, value, "it must be an int", fix or f"pass {what} as a Python int", exc=TypeError)
     if value <= 0:
         fail(what, value, "it must be positive", fix or f"pass {what} >= 1")
-    return value
+    return int(value)
 
 
 def check_nonnegative_int(what: str, value: object, fix: str | None = None) -> int:
-    """Returns ``value`` if it is an ``int`` >= 0 (not bool), else raises."""
-    if not isinstance(value, int) or isinstance(value, bool):
+    """Returns ``value`` as a Python ``int`` if it is an integer >= 0 (see :func:`is_int`),
+    else raises."""
+    if not is_int(value):
         fail(what, value, "it must be an int", fix or f"pass {what} as a Python int", exc=TypeError)
     if value < 0:
         fail(what, value, "it must be >= 0", fix or f"pass {what} >= 0")
-    return value
+    return int(value)

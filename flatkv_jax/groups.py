@@ -12,7 +12,7 @@ import dataclasses
 import enum
 import math
 
-from flatkv_jax.errors import check_positive_int, fail
+from flatkv_jax.errors import check_nonnegative_int, check_positive_int, fail
 from flatkv_jax.formats import RowFormat
 
 
@@ -87,6 +87,9 @@ class GroupSpec:
       window: for ``WINDOW`` groups, tokens the consumer reads behind (and including) the current
         token; must be covered by whole blocks. ``None`` for history groups.
       owner: :class:`Owner`.
+      verify_width: the speculative verify width the recipe sized this group for (e.g. a
+        compressor state's window), or ``None`` if the group does not depend on it. A
+        :class:`~flatkv_jax.plan.CachePlan` refuses limits with another ``verify_width``.
     """
 
     name: str
@@ -97,6 +100,7 @@ class GroupSpec:
     fields: tuple[FieldSpec, ...]
     window: int | None = None
     owner: Owner = Owner.TARGET
+    verify_width: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -121,6 +125,10 @@ class GroupSpec:
                 "it must be an Owner",
                 "pass Owner.TARGET or Owner.DRAFT",
                 exc=TypeError,
+            )
+        if self.verify_width is not None:
+            object.__setattr__(
+                self, "verify_width", check_nonnegative_int("verify_width", self.verify_width)
             )
         check_positive_int("rows_per_page", self.rows_per_page)
         check_positive_int("tokens_per_row", self.tokens_per_row)

@@ -22,20 +22,34 @@ from flatkv_jax.groups import GroupSpec, Owner, lcm_block_tokens
 NULL_PAGE = 0
 #: Pages per pool that are never handed out: the null page and the scratch page.
 RESERVED_PAGES = 2
+#: Largest int32: positions, page ids, slot ids and table indices are int32 on the device.
+INT32_MAX = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
 class ServingLimits:
     """What the cache must serve at once.
 
+    Every field is an integer (a Python int or a NumPy integer, stored as a Python int;
+    bools and floats are refused).
+
     Attributes:
       max_requests: request slots (running requests at once).
       max_context: longest request in tokens (prompt + generated), excluding draft tokens.
-      chunk_tokens: most new tokens one request writes in one step (the prefill chunk).
+      chunk_tokens: most new tokens one request writes in one step (the prefill chunk);
+        at most ``max_context``.
       verify_width: speculative draft tokens verified per decode step (0 = no speculation).
-        A decode step writes ``1 + verify_width`` tokens per request.
+        A decode step writes ``1 + verify_width`` tokens per request. Must equal the
+        ``verify_width`` the recipe sized its groups for (checked by :class:`CachePlan`).
       step_tokens: most new tokens across the whole batch in one step (the flat token axis of
-        the step's metadata). Defaults to ``max(chunk_tokens, max_requests * (1 + verify_width))``.
+        the step's metadata; ``admit``/``extend`` refuse rows past it with ``STEP_FULL``).
+        Defaults to one full chunk plus a decode step of every other request,
+        ``max(chunk_tokens, 1 + verify_width) + (max_requests - 1) * (1 + verify_width)``.
+
+    Raises:
+      TypeError: a field that is not an integer.
+      ValueError: a field out of range, ``chunk_tokens > max_context``, ``step_tokens`` below
+        one chunk or one decode step, or positions past int32.
     """
 
     max_requests: int
@@ -45,15 +59,46 @@ class ServingLimits:
     step_tokens: int | None = None
 
     def __post_init__(self):
-        check_positive_int("max_requests", self.max_requests)
-        check_positive_int("max_context", self.max_context)
-        check_positive_int("chunk_tokens", self.chunk_tokens)
-        check_nonnegative_int("verify_width", self.verify_width)
+        # Stored as Python ints: NumPy integers are accepted (as the host builders do) but
+        # must not change the plan's hash or repr.
+        for name, check in (
+            ("max_requests", check_positive_int),
+            ("max_context", check_positive_int),
+            ("chunk_tokens", check_positive_int),
+            ("verify_width", check_nonnegative_int),
+        ):
+            object.__setattr__(self, name, check(name, getattr(self, name)))
+        if self.chunk_tokens > self.max_context:
+            fail(
+                "chunk_tokens",
+                self.chunk_tokens,
+                f"a chunk is part of one request, at most max_context={self.max_context} tokens",
+                f"lower chunk_tokens to <= {self.max_context} (or raise max_context)",
+            )
+        last = self.max_context + self.verify_width + max(self.chunk_tokens, self.decode_tokens)
+        if last > INT32_MAX:
+            fail(
+                "max_context",
+                self.max_context,
+                f"positions are int32: max_context + verify_width + one step's tokens = {last:,} "
+                f"must stay <= 2**31 - 1 = {INT32_MAX:,}",
+                "lower max_context",
+            )
         if self.step_tokens is None:
             object.__setattr__(
-                self, "step_tokens", max(self.chunk_tokens, self.max_requests * self.decode_tokens)
+                self,
+                "step_tokens",
+                max(self.chunk_tokens, self.decode_tokens)
+                + (self.max_requests - 1) * self.decode_tokens,
             )
-        check_positive_int("step_tokens", self.step_tokens)
+        object.__setattr__(self, "step_tokens", check_positive_int("step_tokens", self.step_tokens))
+        if self.step_tokens > INT32_MAX:
+            fail(
+                "step_tokens",
+                self.step_tokens,
+                f"a step's token indices are int32 (<= {INT32_MAX:,})",
+                "lower step_tokens (or max_requests / verify_width, which set its default)",
+            )
         if self.step_tokens < max(self.chunk_tokens, self.decode_tokens):
             fail(
                 "step_tokens",
@@ -122,10 +167,33 @@ class CachePlan:
                 f"one page count per group ({len(self.groups)})",
                 "pass a tuple in group order",
             )
+        object.__setattr__(
+            self,
+            "num_pages",
+            tuple(
+                check_positive_int(f"num_pages[{g.name}]", n)
+                for g, n in zip(self.groups, self.num_pages, strict=True)
+            ),
+        )
+        for g in self.groups:
+            if g.verify_width is not None and g.verify_width != self.limits.verify_width:
+                fail(
+                    "verify_width",
+                    self.limits.verify_width,
+                    f"group {g.name!r} was sized by its recipe for verify_width={g.verify_width}, "
+                    "and the serving limits must verify the same number of draft tokens",
+                    "pass the same verify_width to the recipe (e.g. deepseek_v4_groups(cfg, "
+                    "verify_width=...)) and to ServingLimits",
+                )
         for g, n in zip(self.groups, self.num_pages, strict=True):
-            check_positive_int(f"num_pages[{g.name}]", n)
-            if n > 2**31 - 1:
-                fail(f"num_pages[{g.name}]", n, "page ids are int32", "use fewer, larger pages")
+            if n * g.rows_per_page > INT32_MAX:
+                fail(
+                    f"num_pages[{g.name}]",
+                    n,
+                    f"slot ids page * rows_per_page + row are int32: {n:,} pages x "
+                    f"{g.rows_per_page} rows = {n * g.rows_per_page:,} > 2**31 - 1",
+                    "lower the page count (a smaller HBM budget) for this group",
+                )
             need = self.min_usable_pages(g) + RESERVED_PAGES
             if n < need:
                 fail(
@@ -136,6 +204,23 @@ class CachePlan:
                     f"(including the null and scratch pages)",
                     "give the group more pages (a larger budget) or lower max_context/chunk_tokens",
                 )
+        if sum(self.num_pages) > INT32_MAX:
+            fail(
+                "num_pages",
+                self.num_pages,
+                f"the allocator indexes every pool's pages in one int32 array: {sum(self.num_pages):,} "
+                "pages in all > 2**31 - 1",
+                "lower the page counts (a smaller HBM budget)",
+            )
+        entries = sum(self.limits.max_requests * self.table_width(g) for g in self.groups)
+        if entries > INT32_MAX:
+            fail(
+                "max_context",
+                self.limits.max_context,
+                f"the tables of {self.limits.max_requests} requests hold {entries:,} int32 "
+                "entries, indexed by int32 (> 2**31 - 1)",
+                "lower max_context or max_requests",
+            )
 
     def __hash__(self) -> int:
         # The plan is a jit static argument: every call hashes it, and hashing the nested

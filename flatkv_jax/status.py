@@ -34,3 +34,8 @@ class Status(enum.IntEnum):
     #: A retired step started past the committed length (an earlier step was partly
     #: rejected); its tokens were dropped.
     DISCARDED = 10
+    #: admit/extend: the row's tokens would pass the step's flat token axis
+    #: (``limits.step_tokens``, counting the tokens already scheduled by the calls passed as
+    #: ``same_step`` and by earlier rows of this call); nothing changed. FIFO rule as for
+    #: ``OUT_OF_PAGES``: every later row that asks for tokens fails too (docs/coordinator.md).
+    STEP_FULL = 11

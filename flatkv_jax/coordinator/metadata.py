@@ -6,9 +6,12 @@ the tables straight from ``state.table_buffer[g]`` (``[max_requests, table_width
 with their strides as data), so the step stays "mutate first, read last".
 
 The step's tokens lie on a flat axis of ``T = plan.limits.step_tokens`` entries: the rows of
-the given results, in order (admit results first if listed first), each contribute their
-``count`` tokens at ``row_offset``. Tokens past ``T`` do not fit and set ``overflow`` (the
-caller must keep the step's total within ``step_tokens``).
+the given results, in order, each contribute their ``count`` tokens at ``row_offset``. The
+results must be every ``admit``/``extend`` result of the step in call order, each call made
+with ``same_step=`` the results before it (checked at trace time through
+``StepResult.step_index``): the ops then refused (``STEP_FULL``) every row that would not fit,
+so the step's tokens always fit ``T``. ``overflow`` stays as a cross-check (always False for
+results made that way).
 
 How kernels read, per group kind:
 
@@ -41,13 +44,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flatkv_jax.coordinator.checks import check_state_for_plan, check_step_results
 from flatkv_jax.coordinator.ops import geometry, resolve_max_count
 from flatkv_jax.coordinator.results import StepResult
 from flatkv_jax.coordinator.segments import segment_rows
 from flatkv_jax.coordinator.state import CacheState
-from flatkv_jax.errors import fail
 from flatkv_jax.groups import blocks_for_span
-from flatkv_jax.plan import CachePlan
+from flatkv_jax.plan import CachePlan, check_plan
 from flatkv_jax.status import Status
 
 _I32 = jnp.int32
@@ -90,7 +93,8 @@ class StepMetadata:
         (0 for history groups and idle rows).
       zero: ``int32[G, K]``, per group the pages to zero before anything reads them (-1 pad).
       num_tokens: ``int32[]``, tokens of the step that fit the flat axis.
-      overflow: ``bool[]``, some token did not fit ``step_tokens``.
+      overflow: ``bool[]``, some token did not fit ``step_tokens`` (a cross-check: never set
+        for results made as :func:`step_metadata_fn` requires).
     """
 
     token_slot: jax.Array
@@ -121,25 +125,21 @@ def step_metadata_fn(
     Args:
       plan: the cache plan (static).
       state: the cache state *after* the calls that produced ``steps`` (read only).
-      steps: the :class:`StepResult` of each admit/extend call of this step (a tuple; its
-        length and each batch size are static).
+      steps: the :class:`StepResult` of each admit/extend call of this step, in call order
+        (a tuple; its length and each batch size are static); ``steps[i]`` must come from a
+        call made with ``same_step=steps[:i]``.
       max_count: the static per-row token bound those calls used (sizes ``window_pages``).
 
     Returns:
       The :class:`StepMetadata`. Cost: O(step_tokens + rows * window blocks) per group.
+
+    Raises:
+      TypeError/ValueError: at trace time, ``steps`` not a tuple of results of one step in
+        call order (a step whose calls were not checked against one token budget), or a
+        state (or results) of another plan.
     """
-    if (
-        not isinstance(steps, tuple)
-        or not steps
-        or not all(isinstance(x, StepResult) for x in steps)
-    ):
-        fail(
-            "steps",
-            type(steps).__name__,
-            "a non-empty tuple of StepResult (from admit/extend)",
-            "pass (result,) or (admit_result, extend_result)",
-            exc=TypeError,
-        )
+    check_step_results(check_plan(plan), steps, "steps", "step_metadata", allow_empty=False)
+    check_state_for_plan(plan, state, "step_metadata")
     mc = resolve_max_count(plan, max_count)
     t_len = plan.limits.step_tokens
     r = state.max_requests

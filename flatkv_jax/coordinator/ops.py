@@ -16,7 +16,18 @@ Cost model (no operation scans a pool or a whole table):
 - retire/rewind: ``O(B * fifo_depth)``.
 
 Checks run in a fixed priority per row (the first failing check is the status): ``IDLE``, then
-``STALE``, ``BAD_ARG``, then the op's own checks, and ``OUT_OF_PAGES`` last.
+``STALE``, ``BAD_ARG``, then the op's own checks, then ``STEP_FULL`` and ``OUT_OF_PAGES`` last.
+
+Before any of that, at trace time, every operation checks that the state was created for the
+plan and that every batch field has its dtype and shape (:mod:`.checks`): misuse that would
+otherwise compute a wrong step raises ``ValueError``/``TypeError`` instead.
+
+The step budget: ``admit`` and ``extend`` schedule the tokens of one step, whose flat token
+axis holds ``plan.limits.step_tokens`` tokens. A call's rows and the OK rows of the calls
+passed as ``same_step`` (the earlier calls of the same step) never schedule more: a row that
+would is ``STEP_FULL`` and changes nothing, so no token is ever scheduled (and later
+committed) that the step cannot write. ``step_metadata`` takes the step's results only in
+that call order.
 """
 
 from __future__ import annotations
@@ -45,6 +56,7 @@ from flatkv_jax.coordinator.batches import (
     RetireBatch,
     RewindBatch,
 )
+from flatkv_jax.coordinator.checks import check_batch, check_same_step, check_state_for_plan
 from flatkv_jax.coordinator.results import ReclaimResult, RetireResult, StatusResult, StepResult
 from flatkv_jax.coordinator.segments import segment_rows
 from flatkv_jax.coordinator.state import (
@@ -128,6 +140,27 @@ def _set_rows(x: jax.Array, s: jax.Array, mask: jax.Array, value) -> jax.Array:
 
 def _ceil_div(a: jax.Array, b: int) -> jax.Array:
     return (a + (b - 1)) // b
+
+
+def _step_full(
+    plan: CachePlan, asking: jax.Array, count: jax.Array, same_step: tuple[StepResult, ...]
+) -> jax.Array:
+    """Rows of ``asking`` that the step's token budget refuses (``STEP_FULL``).
+
+    The step's flat token axis holds ``plan.limits.step_tokens`` tokens; the calls in
+    ``same_step`` already scheduled their OK rows' tokens. Rows of ``asking`` add their
+    ``count`` in batch order; the first row that passes the budget and every later asking
+    row are refused (the FIFO rule of ``OUT_OF_PAGES``: a long chunk is never starved by
+    later short rows of the same call). A row that fits is then still subject to the page
+    check, and keeps its tokens counted even if it runs out of pages (every later row does
+    then too).
+    """
+    used = jnp.zeros((), _I32)
+    for x in same_step:
+        used = used + jnp.sum(jnp.where(x.status == Status.OK, x.count, 0), dtype=_I32)
+    total = used + jnp.cumsum(jnp.where(asking, count, 0), dtype=_I32)
+    over = asking & (total > plan.limits.step_tokens)
+    return asking & (jnp.cumsum(over.astype(_I32)) > 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -569,14 +602,20 @@ def _publish(
 
 # --- operations ------------------------------------------------------------------------------
 def admit_fn(
-    plan: CachePlan, state: CacheState, batch: AdmitBatch, *, max_count: int | None = None
+    plan: CachePlan,
+    state: CacheState,
+    batch: AdmitBatch,
+    *,
+    max_count: int | None = None,
+    same_step: tuple[StepResult, ...] = (),
 ) -> tuple[CacheState, StepResult]:
     """Admits new requests: claims the lowest free slots, allocates their first chunk.
 
     Per row, in priority order: ``IDLE`` (masked), ``BAD_ARG`` (``prompt_len < 1``,
     ``first_chunk`` outside ``[0, min(prompt_len, max_count)]``), ``TOO_LONG``
-    (``prompt_len > max_context``), ``NO_SLOT``, ``OUT_OF_PAGES`` (FIFO rule: the first row
-    that does not fit and every later row), else ``OK``. Served rows claim the lowest free
+    (``prompt_len > max_context``), ``NO_SLOT``, ``STEP_FULL`` (the first chunk would pass
+    the step's ``step_tokens``; FIFO rule), ``OUT_OF_PAGES`` (FIFO rule: the first row that
+    does not fit and every later row), else ``OK``. Served rows claim the lowest free
     slots in batch order and get ``extent = h + first_chunk``, ``committed = h`` and, if
     ``first_chunk > 0``, one in-flight step ``(h, first_chunk)``. With the prefix index (issue
     With ``batch.tokens`` the prompt is matched against the prefix index first: ``h`` is the
@@ -590,10 +629,20 @@ def admit_fn(
       state: the cache state (donated by :data:`admit`).
       batch: the new requests.
       max_count: static bound on ``first_chunk`` (default ``max(chunk_tokens, 1 + verify)``).
+      same_step: the results of the ``admit``/``extend`` calls made earlier for the same step,
+        in call order (their OK tokens count against ``step_tokens``); ``()``: this call opens
+        the step. Pass the same tuple plus this result to ``step_metadata``.
 
     Returns:
       The new state and a :class:`StepResult` (its ``zero`` lists the pages to zero).
+
+    Raises:
+      ValueError/TypeError: at trace time, a state of another plan, a batch field of the wrong
+        dtype or shape, or ``same_step`` out of order.
     """
+    check_state_for_plan(plan, state, "admit")
+    check_batch(batch, AdmitBatch, "admit")
+    check_same_step(plan, same_step, "admit")
     mc = resolve_max_count(plan, max_count)
     r = state.max_requests
     b = batch.valid.shape[0]
@@ -626,6 +675,8 @@ def admit_fn(
         hit = jnp.zeros((b,), _I32)
         pinned_cached = None
     count = jnp.minimum(fc, pl - hit)
+    step_full = _step_full(plan, want, count, same_step)
+    want = want & ~step_full
     state, served, part = _grow(
         plan,
         state,
@@ -665,6 +716,7 @@ def admit_fn(
         (bad, Status.BAD_ARG),
         (too_long, Status.TOO_LONG),
         (no_slot, Status.NO_SLOT),
+        (step_full, Status.STEP_FULL),
         (oop, Status.OUT_OF_PAGES),
     )
     has_step = served & (count > 0)
@@ -690,18 +742,25 @@ def admit_fn(
         short_group=part.short_group,
         short_pages=part.short_pages,
         zero=_zero_lists(part),
+        step_index=len(same_step),
     )
     return state, result
 
 
 def extend_fn(
-    plan: CachePlan, state: CacheState, batch: ExtendBatch, *, max_count: int | None = None
+    plan: CachePlan,
+    state: CacheState,
+    batch: ExtendBatch,
+    *,
+    max_count: int | None = None,
+    same_step: tuple[StepResult, ...] = (),
 ) -> tuple[CacheState, StepResult]:
     """Allocates the next step's tokens of running requests and records the step in flight.
 
     Per row: ``IDLE``, ``STALE`` (bad handle, or a release is pending), ``BAD_ARG`` (repeated
     slot, ``count`` outside ``[1, max_count]``), ``FIFO_FULL``, ``TOO_LONG`` (``n + count >
-    max_context + verify_width``), ``OUT_OF_PAGES`` (FIFO rule), else ``OK``: every group gets
+    max_context + verify_width``), ``STEP_FULL`` (the tokens would pass the step's
+    ``step_tokens``; FIFO rule), ``OUT_OF_PAGES`` (FIFO rule), else ``OK``: every group gets
     the blocks ``[hi, ceil((n + count) / B))`` (history: every new slot; window: every slot the
     new positions touch), ``n += count`` and the step ``(n_old, count)`` joins the FIFO.
 
@@ -711,10 +770,18 @@ def extend_fn(
       batch: handles and token counts.
       max_count: static bound on ``count`` (default ``max(chunk_tokens, 1 + verify)``); pass
         ``plan.limits.decode_tokens`` for a decode-only batch.
+      same_step: the results of the ``admit``/``extend`` calls made earlier for the same step,
+        in call order (see :func:`admit_fn`).
 
     Returns:
       The new state and a :class:`StepResult`.
+
+    Raises:
+      ValueError/TypeError: at trace time, as :func:`admit_fn`.
     """
+    check_state_for_plan(plan, state, "extend")
+    check_batch(batch, ExtendBatch, "extend")
+    check_same_step(plan, same_step, "extend")
     mc = resolve_max_count(plan, max_count)
     r, d = state.max_requests, state.fifo_depth
     lim = plan.limits
@@ -731,6 +798,8 @@ def extend_fn(
         valid & ~stale & ~bad & ~fifo_full & (n_old + cnt > lim.max_context + lim.verify_width)
     )
     want = valid & ~stale & ~bad & ~fifo_full & ~too_long
+    step_full = _step_full(plan, want, cnt, same_step)
+    want = want & ~step_full
     state, served, part = _grow(plan, state, s, want, n_old + cnt, pages_per_row(plan, mc))
     status = _pick_status(
         Status.OK,
@@ -739,6 +808,7 @@ def extend_fn(
         (bad, Status.BAD_ARG),
         (fifo_full, Status.FIFO_FULL),
         (too_long, Status.TOO_LONG),
+        (step_full, Status.STEP_FULL),
         (want & ~served, Status.OUT_OF_PAGES),
     )
     pos = (state.fifo_head[s] + flen) % d
@@ -771,6 +841,7 @@ def extend_fn(
         short_group=part.short_group,
         short_pages=part.short_pages,
         zero=_zero_lists(part),
+        step_index=len(same_step),
     )
     return state, result
 
@@ -801,6 +872,8 @@ def retire_fn(
     Returns:
       The new state and a :class:`RetireResult`.
     """
+    check_state_for_plan(plan, state, "retire")
+    check_batch(batch, RetireBatch, "retire")
     mc = resolve_max_count(plan, max_count)
     r, d = state.max_requests, state.fifo_depth
     valid = batch.valid
@@ -892,7 +965,8 @@ def rewind_fn(
     Per row: ``IDLE``, ``STALE`` (incl. a pending release), ``BAD_ARG`` (repeated slot,
     ``new_extent`` out of range), else ``OK``.
     """
-    del plan
+    check_state_for_plan(plan, state, "rewind")
+    check_batch(batch, RewindBatch, "rewind")
     r, d = state.max_requests, state.fifo_depth
     valid = batch.valid
     s, ok = _lookup(state, batch.slot, batch.generation)
@@ -936,6 +1010,8 @@ def reclaim_fn(
     Per row: ``IDLE``, ``STALE``, ``BAD_ARG`` (repeated slot), else ``OK`` (a request whose
     release is pending may still reclaim).
     """
+    check_state_for_plan(plan, state, "reclaim")
+    check_batch(batch, HandleBatch, "reclaim")
     r = state.max_requests
     b = batch.valid.shape[0]
     valid = batch.valid
@@ -975,6 +1051,8 @@ def release_fn(
     every table reference is dropped, the rows become -1, the slot is free and its generation
     is incremented.
     """
+    check_state_for_plan(plan, state, "release")
+    check_batch(batch, ReleaseBatch, "release")
     r = state.max_requests
     valid = batch.valid
     s, ok = _lookup(state, batch.slot, batch.generation)

@@ -34,6 +34,9 @@ class StepResult:
         every page handed out by this call, padded with -1. The step must zero these pages in
         every pool array of the group (target and draft pools alike) before any kernel reads
         them.
+      step_index: static: the call's place in its step, ``len(same_step)`` of the call that
+        produced it (0: the step's first call). ``step_metadata`` accepts ``steps`` only in
+        this order, so every call of a step was checked against the same token budget.
     """
 
     status: jax.Array
@@ -45,6 +48,7 @@ class StepResult:
     short_group: jax.Array
     short_pages: jax.Array
     zero: jax.Array
+    step_index: int = dataclasses.field(default=0, metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass

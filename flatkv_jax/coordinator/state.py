@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 from typing import NamedTuple
 
 import jax
@@ -55,12 +56,15 @@ class StateLayout:
       table_offset: per group, offset of its table in ``table_buffer``.
       table_width: per group, its row stride (``plan.table_width(g)``).
       max_requests: request slots (table rows).
+      plan_key: a fingerprint of the plan's groups, limits and page counts (its name aside):
+        the operations refuse a state built for another plan (:func:`check_state_for_plan`).
     """
 
     pools: PoolLayout
     table_offset: tuple[int, ...]
     table_width: tuple[int, ...]
     max_requests: int
+    plan_key: str = ""
 
 
 class PoolView(NamedTuple):
@@ -282,7 +286,15 @@ def state_layout(plan: CachePlan) -> StateLayout:
         table_offset=table_offset(plan),
         table_width=tuple(plan.table_width(g) for g in plan.groups),
         max_requests=plan.limits.max_requests,
+        plan_key=_plan_key(plan),
     )
+
+
+def _plan_key(plan: CachePlan) -> str:
+    # Deterministic across processes (unlike hash() of strings): the frozen dataclasses'
+    # reprs spell every field.
+    text = repr((plan.groups, plan.limits, plan.num_pages))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 @functools.cache

@@ -39,7 +39,12 @@ DIFF_PAGES = {
 def diff_plan():
     """The plan of the differential runs: tiny V4 (7 groups, granularity 16), small dims."""
     groups = deepseek_v4_groups(tiny_v4(head_dim=16, rope_dim=4, index_head_dim=8), verify_width=2)
-    limits = ServingLimits(max_requests=4, max_context=64, chunk_tokens=16, verify_width=2)
+    # A random trace's extend/admit calls schedule more than a serving step would (several
+    # prefill chunks at once): 40 step tokens keep STEP_FULL frequent without starving the
+    # requests that must run long enough to reach TOO_LONG.
+    limits = ServingLimits(
+        max_requests=4, max_context=64, chunk_tokens=16, verify_width=2, step_tokens=40
+    )
     return plan_with_pages(groups, limits, DIFF_PAGES)
 
 

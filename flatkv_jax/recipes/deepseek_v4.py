@@ -217,7 +217,8 @@ def deepseek_v4_groups(cfg: DeepSeekV4Config, *, verify_width: int = 0) -> tuple
 
     Args:
       cfg: the model config (see :func:`v4_flash`, :func:`v4_pro`, :func:`tiny_v4`).
-      verify_width: speculative tokens verified per step; sizes the compressor-state windows.
+      verify_width: speculative tokens verified per step; sizes the compressor-state windows
+        (recorded on those groups: a plan must use the same ``ServingLimits.verify_width``).
 
     Returns:
       Groups in a fixed order: swa_kv, mtp_swa_kv, then per ratio (ascending) its compressed KV
@@ -274,6 +275,7 @@ def deepseek_v4_groups(cfg: DeepSeekV4Config, *, verify_width: int = 0) -> tuple
             GroupSpec(
                 f"{tag}_state", Retention.WINDOW, state_rows, 1, layers,
                 (FieldSpec("state", formats.compressor_state(cfg.head_dim, overlap=csa)),), window=win,
+                verify_width=verify_width,
             )
         )  # fmt: skip
         if csa:
@@ -281,6 +283,7 @@ def deepseek_v4_groups(cfg: DeepSeekV4Config, *, verify_width: int = 0) -> tuple
                 GroupSpec(
                     f"{tag}_index_state", Retention.WINDOW, state_rows, 1, layers,
                     (FieldSpec("state", formats.compressor_state(cfg.index_head_dim, overlap=True)),), window=win,
+                    verify_width=verify_width,
                 )
             )  # fmt: skip
     return tuple(groups)

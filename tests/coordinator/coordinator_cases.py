@@ -18,7 +18,11 @@ from flatkv_jax.status import Status
 #: tiny V4 with MTP: swa_kv, mtp_swa_kv (draft), c4_kv, c4_state, c4_index_state, c16_kv,
 #: c16_state. Blocks: 4 tokens (window/state groups), 16 tokens (c4_kv, c16_kv).
 GROUPS = deepseek_v4_groups(tiny_v4(), verify_width=1)
-LIMITS = ServingLimits(max_requests=4, max_context=64, chunk_tokens=16, verify_width=1)
+#: step_tokens = max_requests * chunk_tokens: any one call of the driver fits a step (the
+#: step budget itself is tested with its own plans in test_coord_budget.py).
+LIMITS = ServingLimits(
+    max_requests=4, max_context=64, chunk_tokens=16, verify_width=1, step_tokens=64
+)
 
 
 def make_plan(pages: int = 40, **per_group: int):
@@ -53,11 +57,11 @@ class Driver:
         audit.check_state(self.plan, self.state)
         return res
 
-    def admit(self, *rows):
-        return self._run(ops.admit, host.admit_batch(self.plan, list(rows)))
+    def admit(self, *rows, same_step=()):
+        return self._run(ops.admit, host.admit_batch(self.plan, list(rows)), same_step=same_step)
 
-    def extend(self, *rows):
-        return self._run(ops.extend, host.extend_batch(self.plan, list(rows)))
+    def extend(self, *rows, same_step=()):
+        return self._run(ops.extend, host.extend_batch(self.plan, list(rows)), same_step=same_step)
 
     def retire(self, *rows):
         return self._run(ops.retire, host.retire_batch(self.plan, list(rows)))

@@ -257,7 +257,7 @@ class Engine:
             )
         self.state, er = ops.extend(self.plan, self.state, eb)
         _ok(er, len(ext), "extend")
-        self.state, ar = ops.admit(self.plan, self.state, ab)
+        self.state, ar = ops.admit(self.plan, self.state, ab, same_step=(er,))
         _ok(ar, len(adm), "admit")
         hits = np.asarray(ar.hit)
         for i, ((rid, _), h) in enumerate(zip(adm, host.handles(ar, len(adm)), strict=True)):

@@ -76,9 +76,9 @@ PLAN = full_plan()
             "a handle is a (slot, generation) pair",
         ),
         (
-            lambda: extend_batch(PLAN, [((0, 0), list(range(13)))]),
+            lambda: extend_batch(PLAN, [((0, 0), list(range(PLAN.limits.step_tokens + 1)))]),
             ValueError,
-            "at most 12 tokens fit this batch",
+            f"at most {PLAN.limits.step_tokens} tokens fit this batch",
         ),
         (
             lambda: handle_batch(PLAN, [((0, "g"), 1)]),

@@ -49,6 +49,7 @@ def test_traces_are_deterministic_and_exercise_everything():
         "NO_SLOT",
         "NO_STEP",
         "TOO_LONG",
+        "STEP_FULL",
     }
     assert want <= names, want - names
     assert len(kinds) == 6
