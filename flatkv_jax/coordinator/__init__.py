@@ -11,6 +11,8 @@
 - step metadata: :class:`StepMetadata`, ``step_metadata`` / :func:`step_metadata_fn`
   (:mod:`.metadata`)
 - host helpers: :mod:`.host` (batch builders); audit: :mod:`.audit` (page counts, invariants)
+- sleep / wake: :func:`sleep`, :func:`wake`, :class:`SleepMode`, :class:`Sleeping`,
+  :class:`Woken`, ``repair`` / :func:`repair_fn` (:mod:`.sleep`; docs/sleep.md)
 
 Contract: docs/semantics.md; API and decisions: docs/coordinator.md.
 """
@@ -45,6 +47,15 @@ from flatkv_jax.coordinator.ops import (
     rewind_fn,
 )
 from flatkv_jax.coordinator.results import ReclaimResult, RetireResult, StatusResult, StepResult
+from flatkv_jax.coordinator.sleep import (
+    Sleeping,
+    SleepMode,
+    Woken,
+    repair,
+    repair_fn,
+    sleep,
+    wake,
+)
 from flatkv_jax.coordinator.state import CacheState, PoolView, StateLayout, create_state
 
 __all__ = [
@@ -59,10 +70,13 @@ __all__ = [
     "RetireBatch",
     "RetireResult",
     "RewindBatch",
+    "SleepMode",
+    "Sleeping",
     "StateLayout",
     "StatusResult",
     "StepMetadata",
     "StepResult",
+    "Woken",
     "admit",
     "admit_fn",
     "create_state",
@@ -72,11 +86,15 @@ __all__ = [
     "reclaim_fn",
     "release",
     "release_fn",
+    "repair",
+    "repair_fn",
     "retire",
     "retire_fn",
     "rewind",
     "rewind_fn",
+    "sleep",
     "step_metadata",
     "step_metadata_fn",
+    "wake",
     "window_columns",
 ]
