@@ -141,7 +141,7 @@ def demo_command(args: argparse.Namespace) -> int:
     """Runs the demo for parsed arguments; returns the exit status (0: every check passed)."""
     from flatkv_jax.demo.plot import MissingExtraError, plot_series, require_matplotlib
     from flatkv_jax.demo.report import format_report
-    from flatkv_jax.demo.runner import DemoOptions, run_demo
+    from flatkv_jax.demo.runner import DemoOptions, prepare, run_demo
 
     if args.plot is not None:
         try:
@@ -149,19 +149,27 @@ def demo_command(args: argparse.Namespace) -> int:
         except MissingExtraError as e:
             print(f"flatkv: error: {e}", file=sys.stderr)
             return 2
-    options = DemoOptions(
-        model=args.model,
-        requests=args.requests,
-        seed=args.seed,
-        hbm=args.hbm,
-        pages=args.pages,
-        prefix_cache=args.prefix_cache,
-        overlap=args.overlap,
-        mtp=args.mtp,
-        impl=args.impl,
-    )
+    try:
+        options = DemoOptions(
+            model=args.model,
+            requests=args.requests,
+            seed=args.seed,
+            hbm=args.hbm,
+            pages=args.pages,
+            prefix_cache=args.prefix_cache,
+            overlap=args.overlap,
+            mtp=args.mtp,
+            impl=args.impl,
+        )
+        prepared = prepare(options)
+    except ValueError as e:
+        # Reported here, in the demo's own flag terms, before anything compiles.
+        print(f"flatkv: error: {e}", file=sys.stderr)
+        return 2
     with _Progress() as progress:
-        report, series = run_demo(options, on_start=progress.start, on_step=progress.step)
+        report, series = run_demo(
+            options, prepared=prepared, on_start=progress.start, on_step=progress.step
+        )
     if args.plot is not None:
         title = (
             f"flatkv demo: {report.model}, {report.submitted} requests, seed {report.seed}, "
@@ -200,7 +208,7 @@ class _Progress:
             )
 
             self.bar = Progress(
-                TextColumn("[bold]flatkv demo[/]"),
+                TextColumn("[bold]flatkv demo[/] {task.description}"),
                 BarColumn(),
                 MofNCompleteColumn(),
                 TextColumn("requests"),
@@ -214,14 +222,15 @@ class _Progress:
 
     def start(self, total: int) -> None:
         if self.bar is not None:
-            self.task = self.bar.add_task("serve", total=total, steps=0, tokens=0)
-            self.bar.update(self.task, description="compiling")
+            # The first steps compile the engine's step functions: say so until one ran.
+            self.task = self.bar.add_task("compiling", total=total, steps=0, tokens=0)
 
     def step(self, record, finished: int) -> None:
         self.tokens += int(record.prefill_tokens) + int(record.decode_tokens)
         if self.bar is not None and self.task is not None:
             self.bar.update(
                 self.task,
+                description="serving",
                 completed=finished,
                 steps=int(record.index) + 1,
                 tokens=f"{self.tokens:,}",

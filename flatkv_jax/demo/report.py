@@ -67,7 +67,9 @@ class DemoReport:
       submitted, served, aborted: requests (turns) submitted, finished normally, aborted.
       steps: engine steps.
       wall_s: seconds of the whole serving run (compilation included).
-      warmup_s: seconds of the engine's warm-up (compiling its step functions), part of wall_s.
+      warmup_s: seconds of the engine's warm-up, part of wall_s: building the model and engine,
+        and the steps that compiled a step function.
+      check_s: seconds of the checks after the run (oracle replay, dense recompute).
       prefill_tokens, decode_tokens: tokens the engine wrote in prefill chunks / decode and
         verify steps (accepted or not).
       prompt_tokens, hit_tokens: prompt tokens of every admission and those the prefix cache
@@ -78,6 +80,7 @@ class DemoReport:
       occupancy: per pool, peak and mean pages in use.
       pages_zeroed: recycled pages zeroed before reuse.
       retractions: requests preempted for want of pages (readmitted later).
+      compilations: step functions the engine compiled (one per step kind it used).
       compilations_after_warmup: jit compilations after warm-up (must be 0).
       draft_proposed, draft_accepted: MTP draft tokens verified / accepted.
       parity: the spot parity check (None when no request finished).
@@ -95,6 +98,7 @@ class DemoReport:
     steps: int
     wall_s: float
     warmup_s: float
+    check_s: float
     prefill_tokens: int
     decode_tokens: int
     prompt_tokens: int
@@ -106,6 +110,7 @@ class DemoReport:
     occupancy: tuple[GroupOccupancy, ...]
     pages_zeroed: int
     retractions: int
+    compilations: int
     compilations_after_warmup: int
     draft_proposed: int
     draft_accepted: int
@@ -179,6 +184,7 @@ class DemoReport:
             "steps": self.steps,
             "wall_s": round(self.wall_s, 3),
             "warmup_s": round(self.warmup_s, 3),
+            "check_s": round(self.check_s, 3),
             "prefill": {
                 "tokens": self.prefill_tokens,
                 "tokens_per_s": round(self.prefill_tokens_per_s, 1),
@@ -204,6 +210,7 @@ class DemoReport:
             },
             "pages_zeroed": self.pages_zeroed,
             "retractions": self.retractions,
+            "compilations": self.compilations,
             "compilations_after_warmup": self.compilations_after_warmup,
             "drafts": {
                 "proposed": self.draft_proposed,
@@ -266,10 +273,13 @@ def format_report(r: DemoReport) -> str:
         "",
         f"requests served            {r.served} / {r.submitted}"
         + (f" ({r.aborted} aborted)" if r.aborted else ""),
-        f"steps                      {r.steps:,}  ({r.wall_s:.1f} s wall, {r.warmup_s:.1f} s of it "
-        "warm-up)",
-        f"prefill                    {r.prefill_tokens:,} tokens, {r.prefill_tokens_per_s:,.0f} tok/s",
-        f"decode                     {r.decode_tokens:,} tokens, {r.decode_tokens_per_s:,.0f} tok/s",
+        f"steps                      {r.steps:,}",
+        f"wall time                  {r.wall_s:.1f} s = warm-up {r.warmup_s:.1f} s (compiling "
+        f"{r.compilations} step functions) + serving {r.serve_s:.1f} s; checks {r.check_s:.1f} s",
+        f"prefill                    {r.prefill_tokens:,} tokens, {r.prefill_tokens_per_s:,.0f} "
+        "tokens/s of serving time",
+        f"decode                     {r.decode_tokens:,} tokens, {r.decode_tokens_per_s:,.0f} "
+        "tokens/s of serving time",
         f"prefix hit rate            {r.hit_rate:.3f}  ({r.hit_tokens:,} of {r.prompt_tokens:,} "
         "prompt tokens)",
         f"  radix oracle, same trace {r.oracle_hit_rate:.3f}  ({r.oracle_hit_tokens:,} of "

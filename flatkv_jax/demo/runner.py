@@ -58,7 +58,7 @@ CHUNK_TOKENS = 32
 VERIFY_WIDTH = 2
 #: Default pool budget: small enough that pools fill, the LRU evicts cached prefixes and the
 #: occupancy plot shows pressure; large enough that retractions stay rare.
-DEFAULT_HBM = "1536KiB"
+DEFAULT_HBM = "2MiB"
 #: Requests the parity check recomputes densely (spread over the finished ones).
 PARITY_REQUESTS = 3
 
@@ -133,11 +133,42 @@ def build_plan(options: DemoOptions, cfg, workload: Workload) -> CachePlan:
         except ValueError as e:
             raise ValueError(f"--pages {options.pages}: {e}") from e
     text = options.hbm if options.hbm is not None else DEFAULT_HBM
+    shown = text if options.hbm is not None else f"{text} (the default)"
     budget = parse_size(text, "--hbm")
     try:
         return plan_for_budget(groups, limits, budget, name=options.model)
     except ValueError as e:
-        raise ValueError(f"--hbm {text}: {e}") from e
+        raise ValueError(f"--hbm {shown}: {e}") from e
+
+
+class CompileClock:
+    """Sums the seconds JAX spends tracing, lowering and compiling while it is active.
+
+    Uses JAX's public monitoring events (``/jax/core/compile/...`` durations), so it counts
+    compilations wherever they happen — the engine compiles its step functions at the first
+    steps that use them — without knowing the engine's internals.
+    """
+
+    PREFIX = "/jax/core/compile/"
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def _listen(self, event: str, duration: float, **_) -> None:
+        if event.startswith(self.PREFIX):
+            self.seconds += duration
+
+    def __enter__(self) -> CompileClock:
+        import jax.monitoring
+
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        import jax.monitoring
+
+        jax.monitoring.unregister_event_duration_listener(self._listen)
+        return False
 
 
 @dataclasses.dataclass
@@ -308,9 +339,31 @@ def _spread(ids: list[int], k: int) -> list[int]:
     return [ids[round(i * (len(ids) - 1) / (k - 1))] for i in range(k)] if k > 1 else [ids[-1]]
 
 
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """What :func:`prepare` builds before anything compiles: model config, workload, plan."""
+
+    options: DemoOptions
+    cfg: Any
+    workload: Workload
+    plan: CachePlan
+
+
+def prepare(options: DemoOptions) -> Prepared:
+    """The model config, workload and plan of ``options`` (fast; nothing compiles).
+
+    Raises:
+      ValueError: ``--hbm`` / ``--pages`` cannot hold one request (the message names the flag).
+    """
+    cfg = MODELS[options.model][0]()
+    workload = workload_for(options, cfg.vocab)
+    return Prepared(options, cfg, workload, build_plan(options, cfg, workload))
+
+
 def run_demo(
     options: DemoOptions,
     *,
+    prepared: Prepared | None = None,
     on_start: Callable[[int], None] | None = None,
     on_step: Callable[[Any, int], None] | None = None,
 ) -> tuple[DemoReport, StepSeries]:
@@ -318,16 +371,16 @@ def run_demo(
 
     Args:
       options: what to run.
+      prepared: :func:`prepare` of ``options``, if the caller already built it.
       on_start: called with the number of requests once the workload is drawn (progress).
       on_step: called after each engine step with its record and requests finished so far.
 
     Returns:
       ``(report, series)``.
     """
-    build, tolerance, _ = MODELS[options.model]
-    cfg = build()
-    workload = workload_for(options, cfg.vocab)
-    plan = build_plan(options, cfg, workload)  # bad --hbm / --pages fail before any compile
+    prep = prepare(options) if prepared is None else prepared
+    cfg, workload, plan = prep.cfg, prep.workload, prep.plan
+    tolerance = MODELS[options.model][1]
 
     from flax import nnx
 
@@ -353,10 +406,13 @@ def run_demo(
     warmup = getattr(engine, "warmup", None)
     if callable(warmup):
         warmup()
-    warmup_s = time.perf_counter() - t0
+    setup_s = time.perf_counter() - t0
     driver = WorkloadDriver(workload, engine)
-    submitted = driver.run(on_step)
+    with CompileClock() as compiling:
+        submitted = driver.run(on_step)
     wall_s = time.perf_counter() - t0
+    warmup_s = setup_s + compiling.seconds
+    t_check = time.perf_counter()
     stats = engine.stats
     outputs = engine.outputs
 
@@ -372,6 +428,7 @@ def run_demo(
         if served
         else None
     )
+    check_s = time.perf_counter() - t_check
     names = tuple(g.name for g in plan.groups)
     usable = tuple(plan.usable_pages(g) for g in plan.groups)
     recs = driver.records
@@ -412,6 +469,7 @@ def run_demo(
         steps=int(stats.steps),
         wall_s=wall_s,
         warmup_s=warmup_s,
+        check_s=check_s,
         prefill_tokens=int(stats.prefill_tokens),
         decode_tokens=int(stats.decode_tokens),
         prompt_tokens=replay.engine_prompt_tokens,
@@ -423,6 +481,7 @@ def run_demo(
         occupancy=_occupancy(names, usable, in_use),
         pages_zeroed=int(stats.pages_zeroed),
         retractions=int(stats.retractions),
+        compilations=int(stats.compilations),
         compilations_after_warmup=int(stats.compilations_after_warmup),
         draft_proposed=int(stats.draft_proposed),
         draft_accepted=int(stats.draft_accepted),

@@ -5,32 +5,11 @@ import builtins
 import json
 
 import pytest
+from demo_cases import JSON_KEYS
 
 from flatkv_jax import cli
 from flatkv_jax.demo import runner
 from flatkv_jax.demo.report import DemoReport, GroupOccupancy, Parity, StepSeries, format_report
-
-JSON_KEYS = {
-    "model",
-    "seed",
-    "options",
-    "plan",
-    "workload",
-    "requests",
-    "steps",
-    "wall_s",
-    "warmup_s",
-    "prefill",
-    "decode",
-    "prefix",
-    "occupancy",
-    "pages_zeroed",
-    "retractions",
-    "compilations_after_warmup",
-    "drafts",
-    "parity",
-    "ok",
-}
 
 
 def fake_report(**kw) -> DemoReport:
@@ -56,6 +35,7 @@ def fake_report(**kw) -> DemoReport:
         steps=300,
         wall_s=30.0,
         warmup_s=10.0,
+        check_s=2.0,
         prefill_tokens=2000,
         decode_tokens=900,
         prompt_tokens=3000,
@@ -67,6 +47,7 @@ def fake_report(**kw) -> DemoReport:
         occupancy=(GroupOccupancy("swa_kv", 71, 60, 30.5), GroupOccupancy("c4_kv", 165, 165, 99.0)),
         pages_zeroed=400,
         retractions=2,
+        compilations=2,
         compilations_after_warmup=0,
         draft_proposed=800,
         draft_accepted=300,
@@ -146,7 +127,7 @@ def test_defaults_and_switches():
 def test_json_prints_one_object_with_every_key(capsys, monkeypatch):
     seen = {}
 
-    def fake_run(options, on_start=None, on_step=None):
+    def fake_run(options, **kw):
         seen["options"] = options
         return fake_report(), fake_series()
 
@@ -182,7 +163,9 @@ def test_text_report_lines():
         "pages zeroed               400",
         "compilations after warm-up 0",
         "max |logit error| 2.5e-06 (tolerance 1e-05) over 60 tokens of 3 requests",
-        "prefill                    2,000 tokens, 100 tok/s",
+        "prefill                    2,000 tokens, 100 tokens/s of serving time",
+        "wall time                  30.0 s = warm-up 10.0 s (compiling 2 step functions) + "
+        "serving 20.0 s; checks 2.0 s",
         "all checks passed",
     ):
         assert line in text, line

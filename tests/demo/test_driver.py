@@ -108,3 +108,17 @@ def test_an_engine_that_drops_a_request_is_reported():
     wl = make_workload(0, WorkloadConfig(requests=3))
     with pytest.raises(RuntimeError, match="never finished"):
         WorkloadDriver(wl, Dropping()).run()
+
+
+def test_compile_clock_counts_compilations_only_while_active():
+    import jax
+    import jax.numpy as jnp
+
+    from flatkv_jax.demo.runner import CompileClock
+
+    with CompileClock() as clock:
+        jax.jit(lambda x: x * 3 + 1)(jnp.arange(5))
+    inside = clock.seconds
+    assert inside > 0
+    jax.jit(lambda x: x * 5 - 2)(jnp.arange(7))  # compiled after the clock stopped
+    assert clock.seconds == inside
