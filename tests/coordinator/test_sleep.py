@@ -8,6 +8,7 @@ step fully. Sleeping happens between steps (no step in flight).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -29,6 +30,8 @@ from flatkv_jax.coordinator import (
     step_metadata,
     wake,
 )
+from flatkv_jax.prefix import index as index_lib
+from flatkv_jax.prefix import lru as lru_lib
 from flatkv_jax.status import Status
 
 CHUNK = PLAN.limits.chunk_tokens
@@ -204,6 +207,18 @@ def test_discard_then_wake_repairs_the_state_and_never_serves_a_stale_hit():
     counts = audit.page_counts(PLAN, loop.state)
     assert sum(x.cached_only for x in counts.values()) > 0  # pages the index holds alone
     shardings = [x.sharding for x in jax.tree_util.tree_leaves(loop.pools)]
+    # The recipe this replaces (clear the index, fresh LRUs) leaks every cached page: its
+    # refcount keeps the index's reference with no holder left.
+    naive = dataclasses.replace(
+        jax.tree.map(jnp.copy, loop.state),
+        indexes=tuple(index_lib.clear(ix) for ix in loop.state.indexes),
+        lrus=lru_lib.create_lrus(PLAN),
+    )
+    with pytest.raises(
+        audit.StateInvariantError,
+        match=r"refcount \d+ != table references \d+ \+ index references 0",
+    ):
+        audit.check_state(PLAN, naive, shared_ok=True)
     woken = wake(sleep(PLAN, loop.state, loop.pools, "discard"))
     state, pools = woken.state, woken.pools
     # Every live request is retracted: its handle is listed and now stale.
