@@ -202,10 +202,8 @@ def test_failed_admission_touches_nothing_not_even_lru_order():
     # A hit plus more pages than exist: OUT_OF_PAGES, and nothing changes (pins included).
     batch = host.admit_batch(plan, [(64, 16), (33, 16)], tokens=[list(range(1, 65)), toks])
     d.state, res = ops.admit(plan, d.state, batch)
-    statuses = host.statuses(res, 2)
-    if statuses[0] == Status.OUT_OF_PAGES:
-        assert statuses[1] == Status.OUT_OF_PAGES
-        assert_same(d.state, before)
+    assert host.statuses(res, 2) == [Status.OUT_OF_PAGES] * 2
+    assert_same(d.state, before)
     audit.check_state(plan, d.state, shared_ok=True)
 
 

@@ -18,12 +18,34 @@ from hypothesis import strategies as st
 from oracle_cases import full_plan, hybrid_plan
 
 from flatkv_jax import ServingLimits, plan_with_pages
-from flatkv_jax.oracle import RadixOracle, TraceConfig, random_trace, run_trace
+from flatkv_jax.oracle import (
+    RadixOracle,
+    TraceConfig,
+    device_adapter,
+    lockstep,
+    random_trace,
+    run_trace,
+)
 from flatkv_jax.oracle.long_run import diff_plan, main
 from flatkv_jax.oracle.oracle import HostPool
-from flatkv_jax.recipes import hybrid_swa_groups
+from flatkv_jax.recipes import hybrid_swa_groups, mla_groups
 
 PLAN = diff_plan()
+
+
+def mla_plan(pages: int = 24):
+    """MLA: one latent history group (rank 8 + rope 4, 2 layers), blocks of 4 tokens."""
+    groups = mla_groups(2, kv_lora_rank=8, rope_dim=4, dtype="float32", rows_per_page=4)
+    lim = ServingLimits(max_requests=4, max_context=48, chunk_tokens=16, verify_width=2)
+    return plan_with_pages(groups, lim, pages)
+
+
+#: The generic recipes at CI scale (small pools: OUT_OF_PAGES, LRU eviction and pinning).
+GENERIC_PLANS = {
+    "full": lambda: full_plan(pages=14, max_context=32),
+    "full+swa": lambda: hybrid_plan(full=20, swa=10),
+    "mla": mla_plan,
+}
 
 
 def test_traces_are_deterministic_and_exercise_everything():
@@ -77,9 +99,7 @@ class _Recorder:
 
 
 @pytest.mark.parametrize(
-    "plan",
-    [PLAN, full_plan(pages=14, max_context=32), hybrid_plan(full=20, swa=10)],
-    ids=["v4", "full", "hybrid"],
+    "plan", [PLAN, *(make() for make in GENERIC_PLANS.values())], ids=["v4", *GENERIC_PLANS]
 )
 def test_oracle_against_itself(plan):
     a, b = RadixOracle(plan), RadixOracle(plan)
@@ -248,12 +268,15 @@ LANES = 256
 
 @pytest.fixture(scope="module")
 def lockstep_device():
-    lockstep = pytest.importorskip("flatkv_jax.oracle.lockstep")
-    return lockstep, lockstep.LockstepDevice(PLAN, LANES)  # prefix reuse on once it exists
+    dev = lockstep.LockstepDevice(PLAN, LANES)
+    # The default follows the coordinator's batches: they carry tokens, so prefix reuse is on
+    # and the differential covers matching, pinning, eviction and publishing.
+    assert dev.prefix_reuse and lockstep.prefix_api()
+    return dev
 
 
 def test_device_coordinator_matches_the_oracle(lockstep_device):
-    lockstep, dev = lockstep_device
+    dev = lockstep_device
     cfg = TraceConfig(num_ops=DEVICE_OPS)
     traces = [random_trace(PLAN, 5000 + seed, cfg) for seed in range(DEVICE_TRACES)]
     reports = lockstep.run_lockstep(traces, dev)
@@ -261,13 +284,12 @@ def test_device_coordinator_matches_the_oracle(lockstep_device):
     assert not bad, f"{len(bad)} of {len(reports)} traces diverge; first:\n{bad[0]}"
     assert sum(r.ops for r in reports) == DEVICE_TRACES * DEVICE_OPS
     assert sum(r.admitted for r in reports) > DEVICE_TRACES
-    if dev.prefix_reuse:  # the device matched and served hits, equal to the oracle's
-        assert sum(r.hit_tokens for r in reports) > 0
+    assert sum(r.hit_tokens for r in reports) > 0  # served hits, equal to the oracle's
 
 
 def test_lockstep_catches_a_planted_bug(lockstep_device):
     """The lockstep harness stops each lane at its first divergence and reports it."""
-    lockstep, dev = lockstep_device
+    dev = lockstep_device
     traces = [random_trace(PLAN, seed) for seed in range(16)]
     reports = lockstep.run_lockstep(
         traces, dev, oracle=lambda p: _NoZeroing(p, prefix_reuse=dev.prefix_reuse)
@@ -279,7 +301,6 @@ def test_lockstep_catches_a_planted_bug(lockstep_device):
 
 
 def test_lockstep_rejects_bad_arguments():
-    lockstep = pytest.importorskip("flatkv_jax.oracle.lockstep")
     with pytest.raises(TypeError, match="it must be a CachePlan"):
         lockstep.LockstepDevice("plan", 4)
     with pytest.raises(ValueError, match="lanes"):
@@ -287,13 +308,37 @@ def test_lockstep_rejects_bad_arguments():
 
 
 def test_prefix_reuse_needs_the_prefix_api(monkeypatch):
-    lockstep = pytest.importorskip("flatkv_jax.oracle.lockstep")
-    adapter = pytest.importorskip("flatkv_jax.oracle.device_adapter")
     with pytest.raises(TypeError, match="it must be a CachePlan"):
-        adapter.DeviceBackend("plan")
+        device_adapter.DeviceBackend("plan")
     monkeypatch.setattr(lockstep, "prefix_api", lambda: False)
     with pytest.raises(ValueError, match="has no tokens field"):
         lockstep.LockstepDevice(PLAN, 2, prefix_reuse=True)
+
+
+# --- the generic recipes on the device ---------------------------------------------------------
+GENERIC_LANES = 32
+
+
+@pytest.mark.parametrize("recipe", list(GENERIC_PLANS))
+def test_device_matches_the_oracle_on_generic_recipes(recipe):
+    """CI scale (one compilation per recipe, 32 lanes x 25 ops): full attention, full +
+    sliding window and MLA agree with the oracle, with prefix hits served; the same lanes
+    then catch a planted bug on the recipe (the comparison is live, not vacuous)."""
+    plan = GENERIC_PLANS[recipe]()
+    kinds = {"full": {False}, "full+swa": {False, True}, "mla": {False}}[recipe]
+    assert {g.is_window for g in plan.groups} == kinds
+    dev = lockstep.LockstepDevice(plan, GENERIC_LANES)
+    assert dev.prefix_reuse
+    cfg = TraceConfig(num_ops=DEVICE_OPS)
+    traces = [random_trace(plan, 9000 + seed, cfg) for seed in range(GENERIC_LANES)]
+    reports = lockstep.run_lockstep(traces, dev)
+    bad = [r.divergence for r in reports if not r.ok]
+    assert not bad, f"{len(bad)} of {len(reports)} traces diverge; first:\n{bad[0]}"
+    assert sum(r.ops for r in reports) == GENERIC_LANES * DEVICE_OPS
+    assert sum(r.admitted for r in reports) > GENERIC_LANES
+    assert sum(r.hit_tokens for r in reports) > 0
+    buggy = lockstep.run_lockstep(traces, dev, oracle=_NoZeroing)
+    assert any(not r.ok for r in buggy), "the device differential missed a planted bug"
 
 
 # --- 1-token window blocks ---------------------------------------------------------------------
