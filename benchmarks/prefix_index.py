@@ -3,7 +3,7 @@
 Builds V4-Flash groups (verify width 2), publishes every block of the first ``--cached`` tokens
 of ``--batch`` distinct prompts in every group's index, then times (medians, µs):
 
-- ``hash``: chain states of the whole batch (``chain_sums``),
+- ``hash``: keyed chain lanes of the whole batch (``chain_lanes``),
 - ``match``: hashing + every group's lookups + the common-hit rule (``match_prompts``),
 - ``insert``: publishing one step's blocks (one new block per prompt per group),
 - ``evict``: popping ``--evict`` cached-only pages from one pool's LRU.
@@ -69,11 +69,12 @@ def main() -> None:
     lengths = jnp.full((b,), n, jnp.int32)
     ns = jnp.asarray(K.namespace_words(0))
     insert = jax.jit(I.insert)
+    seed = jnp.asarray(K.new_seed())  # as create_state draws it
     block_keys = jax.jit(K.block_keys, static_argnames="block_tokens")
     indexes, published = [], []
     for g in groups:
         keys, valid = block_keys(
-            tokens, jnp.full((b,), cached, jnp.int32), ns, block_tokens=g.block_tokens
+            tokens, jnp.full((b,), cached, jnp.int32), ns, seed=seed, block_tokens=g.block_tokens
         )
         flat_valid = np.asarray(valid).reshape(-1)
         pg = np.where(flat_valid, np.cumsum(flat_valid), 0).astype(np.int32)  # distinct pages 1..
@@ -84,16 +85,20 @@ def main() -> None:
         published.append(np.asarray(keys).reshape(-1, K.KEY_WORDS)[flat_valid])  # row p-1 = page p
     indexes = tuple(indexes)
 
-    chain = jax.jit(K.chain_sums, static_argnames="unit")
+    chain = jax.jit(K.chain_lanes, static_argnames="unit")
     match = jax.jit(match_prompts, static_argnums=0)
-    m = match(layout, indexes, tokens, lengths, ns)
+    m = match(layout, indexes, tokens, lengths, ns, seed=seed)
     hits = np.asarray(m.hit)
     print(
         f"hit tokens: min {hits.min()} max {hits.max()} (expected {cached - cached % layout.granularity})"
     )
-    t_hash = _time(lambda t: chain(t, lengths, ns, unit=layout.unit), tokens, reps=args.reps)
-    t_match = _time(lambda i, t: match(layout, i, t, lengths, ns), indexes, tokens, reps=args.reps)
-    print(f"hash  (chain_sums, {b}x{n}):         {t_hash:10.0f} us")
+    t_hash = _time(
+        lambda t: chain(t, lengths, ns, seed=seed, unit=layout.unit).lanes, tokens, reps=args.reps
+    )
+    t_match = _time(
+        lambda i, t: match(layout, i, t, lengths, ns, seed=seed), indexes, tokens, reps=args.reps
+    )
+    print(f"hash  (chain_lanes, {b}x{n}):        {t_hash:10.0f} us")
     print(
         f"match (hash + lookups + rule):       {t_match:10.0f} us   ({t_match / b:.1f} us per prompt)"
     )
@@ -102,7 +107,7 @@ def main() -> None:
     # Publish one new block per prompt into the full c4_state index (the widest), donated as
     # the coordinator's step donates its state: the update is in place, O(keys inserted).
     gi = plan.group_index("c4_state")
-    keys, _ = block_keys(tokens, lengths, ns, block_tokens=4)
+    keys, _ = block_keys(tokens, lengths, ns, seed=seed, block_tokens=4)
     new_keys = keys[:, cached // 4 + 1]
     insert_d = jax.jit(I.insert, donate_argnums=0)
     remove_d = jax.jit(I.remove, donate_argnums=0)

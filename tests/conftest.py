@@ -48,3 +48,16 @@ def pytest_runtest_setup(item):
         jax.clear_caches()
         gc.collect()
     _last_dir = here
+
+
+@pytest.fixture(autouse=True)
+def _fixed_prefix_key_seed(monkeypatch):
+    # Every cache state a test creates without seed= gets the same prefix key seed, so tests
+    # may compare two independently created states bit for bit. Serving draws a secret seed
+    # per state (create_state(seed=None)); tests/prefix/test_prefix_keys.py undoes this patch
+    # to check that.
+    import numpy as np
+
+    from flatkv_jax.coordinator import state
+
+    monkeypatch.setattr(state, "new_seed", lambda: np.array([0x5EED, 0, 0, 0], np.uint32))

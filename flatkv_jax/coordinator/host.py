@@ -124,6 +124,25 @@ def _token_rows(
     return jnp.asarray(out)
 
 
+#: The narrowest admission token width :func:`token_width` picks.
+MIN_TOKEN_WIDTH = 64
+
+
+def token_width(plan: CachePlan, longest: int) -> int:
+    """The token width of an admission whose longest prompt has ``longest`` tokens.
+
+    The next power of two ``>= longest`` (at least :data:`MIN_TOKEN_WIDTH`), capped at
+    ``max_context``: admission hashes and looks up only that many positions per row, so its
+    cost follows the prompts present, and a serving loop compiles ``admit`` at most once per
+    power of two up to ``max_context``.
+    """
+    cap = plan.limits.max_context
+    w = MIN_TOKEN_WIDTH
+    while w < longest:
+        w *= 2
+    return min(w, cap)
+
+
 def admit_batch(
     plan: CachePlan,
     rows: Sequence[tuple[int, int]],
@@ -131,12 +150,16 @@ def admit_batch(
     *,
     tokens: Sequence[Sequence[int]] | None = None,
     namespace: Sequence[int] | None = None,
+    width: int | None = None,
 ) -> AdmitBatch:
     """``rows``: ``(prompt_len, first_chunk)`` per new request.
 
-    ``tokens`` (one list per row, at least ``prompt_len`` long; padded to ``max_context``)
-    turns prefix reuse on for the batch; ``namespace`` (one int per row, default 0) goes
-    with it.
+    ``tokens`` (one list per row, at least ``prompt_len`` long; tokens past ``prompt_len`` are
+    dropped) turns prefix reuse on for the batch; ``namespace`` (one int per row, default 0)
+    goes with it. The token array is ``int32[size, width]``: by default
+    ``token_width(plan, longest prompt)`` (a power of two, at most ``max_context``), or the
+    given ``width`` (at least every prompt that fits ``max_context``), e.g. one fixed width
+    for a whole serving loop.
     """
     valid, (pl, fc) = _columns(plan, rows, size, 2)
     for i, row in enumerate(rows):
@@ -159,15 +182,38 @@ def admit_batch(
             )
         return AdmitBatch(valid, jnp.asarray(pl), jnp.asarray(fc))
     b = valid.shape[0]
-    toks = _token_rows(plan, "tokens", tokens, len(rows), b, plan.limits.max_context)
+    if not isinstance(tokens, Sequence) or isinstance(tokens, str) or len(tokens) != len(rows):
+        _token_rows(plan, "tokens", tokens, len(rows), b, 0)  # raises the shape error
     for i, row in enumerate(tokens):
-        if len(row) < pl[i]:
+        if not isinstance(row, Sequence) or len(row) < pl[i]:
             fail(
                 f"tokens[{i}]",
-                f"{len(row)} tokens",
+                f"{len(row)} tokens" if isinstance(row, Sequence) else type(row).__name__,
                 f"the prompt has prompt_len = {pl[i]} tokens",
                 "pass the whole prompt",
+                exc=ValueError if isinstance(row, Sequence) else TypeError,
             )
+    cap = plan.limits.max_context
+    fitting = [int(p) for p in pl[: len(rows)] if 1 <= p <= cap]
+    if width is None:
+        width = token_width(plan, max(fitting, default=1))
+    elif isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= cap:
+        fail(
+            "width",
+            width,
+            f"the token width is an int in [1, max_context = {cap}]",
+            "pass None (a power of two fitting the longest prompt) or a valid int",
+            exc=TypeError if not isinstance(width, int) or isinstance(width, bool) else ValueError,
+        )
+    elif fitting and max(fitting) > width:
+        fail(
+            "width",
+            width,
+            f"every prompt must fit the token width (the longest has {max(fitting)} tokens)",
+            f"pass width >= {max(fitting)} or None",
+        )
+    trimmed = [list(row)[: min(max(int(p), 0), width)] for row, p in zip(tokens, pl, strict=False)]
+    toks = _token_rows(plan, "tokens", trimmed, len(rows), b, width)
     ns = np.zeros((b,), np.int32)
     if namespace is not None:
         if not isinstance(namespace, Sequence) or len(namespace) != len(rows):

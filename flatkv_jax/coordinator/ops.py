@@ -522,12 +522,10 @@ def _publish(
     geo = geometry(plan)
     a = jnp.where(pub, accepted, 0)
     ns = state.namespace[s]
-    base = state.chain[s]
     toks = state.fifo_tokens[s, head, :width]
-    sums = keys_lib.extend_sums(base, toks, c_old, a, ns)  # [B, width, L]
+    # Only the `width` accepted-token columns are hashed (lanes [B, width, LANES]).
+    lanes, chain = keys_lib.extend_chain(state.chain[s], toks, c_old, a, ns, seed=state.key_seed)
     c_new = c_old + a
-    last = jnp.take_along_axis(sums, jnp.clip(a - 1, 0, width - 1)[:, None, None], axis=1)[:, 0]
-    chain = jnp.where((a > 0)[:, None], last, base)
     b = s.shape[0]
     kd = state.defer_group.shape[1]
     d_on = pub[:, None] & (jnp.arange(kd, dtype=_I32)[None, :] < state.defer_len[s][:, None])
@@ -540,7 +538,7 @@ def _publish(
         ends = (c_old[:, None] // bt + 1 + jnp.arange(n_ends, dtype=_I32)[None, :]) * bt
         ok = pub[:, None] & (ends <= c_new[:, None])
         at = jnp.clip(ends - c_old[:, None] - 1, 0, width - 1)
-        new_sums = jnp.take_along_axis(sums, at[:, :, None], axis=1)
+        new_sums = jnp.take_along_axis(lanes, at[:, :, None], axis=1)
         slot = jnp.clip(ends // bt - 1, 0, w - 1)
         if retry:
             mine = d_on & (d_group == g)
@@ -552,7 +550,7 @@ def _publish(
         valid = ok & (entry >= 1)
 
         def insert(ix, valid=valid, new_sums=new_sums, ends=ends, entry=entry):
-            keys = keys_lib.keys_from_sums(new_sums, ends, ns)
+            keys = keys_lib.keys_from_lanes(new_sums, ends, ns)
             ix, taken, held = index_lib.insert_held(
                 ix, keys.reshape(-1, keys_lib.KEY_WORDS), entry.reshape(-1), valid.reshape(-1)
             )
@@ -612,7 +610,8 @@ def admit_fn(
     """Admits new requests: claims the lowest free slots, allocates their first chunk.
 
     Per row, in priority order: ``IDLE`` (masked), ``BAD_ARG`` (``prompt_len < 1``,
-    ``first_chunk`` outside ``[0, min(prompt_len, max_count)]``), ``TOO_LONG``
+    ``first_chunk`` outside ``[0, min(prompt_len, max_count)]``, ``prompt_len`` above the
+    width of ``batch.tokens``), ``TOO_LONG``
     (``prompt_len > max_context``), ``NO_SLOT``, ``STEP_FULL`` (the first chunk would pass
     the step's ``step_tokens``; FIFO rule), ``OUT_OF_PAGES`` (FIFO rule: the first row that
     does not fit and every later row), else ``OK``. Served rows claim the lowest free
@@ -648,6 +647,9 @@ def admit_fn(
     b = batch.valid.shape[0]
     valid, pl, fc = batch.valid, batch.prompt_len, batch.first_chunk
     bad = valid & ((pl < 1) | (fc < 0) | (fc > pl) | (fc > mc))
+    if batch.tokens is not None:
+        # The prompt must lie within the tokens' width (hashing and the first chunk read it).
+        bad = bad | (valid & (pl > batch.tokens.shape[1]) & (pl <= plan.limits.max_context))
     too_long = valid & ~bad & (pl > plan.limits.max_context)
     asks = valid & ~bad & ~too_long
     ask_i = asks.astype(_I32)
@@ -668,7 +670,17 @@ def admit_fn(
         ns = jnp.zeros((b,), _I32) if batch.namespace is None else batch.namespace
         # Read-only: the index as at the start of the call. Rows past the argument checks
         # (NO_SLOT included) pin what they match, as the oracle does.
-        m = match_prompts(_match_layout(plan, tokens.shape[1]), state.indexes, tokens, pl, ns, asks)
+        # Hashing and lookups cover the tokens' width only (the host builder buckets it to
+        # the longest prompt): cost follows the prompts, not max_context.
+        m = match_prompts(
+            _match_layout(plan, tokens.shape[1]),
+            state.indexes,
+            tokens,
+            pl,
+            ns,
+            asks,
+            seed=state.key_seed,
+        )
         hit = m.hit
         state, pinned_cached, listing = _pin(plan, state, m, asks, True)
     else:

@@ -41,7 +41,7 @@ from flatkv_jax.block_pool import BlockPoolSet, PoolLayout, create_block_pool_se
 from flatkv_jax.errors import check_positive_int, fail
 from flatkv_jax.plan import CachePlan
 from flatkv_jax.prefix.index import PrefixIndex, create_indexes
-from flatkv_jax.prefix.keys import LANES
+from flatkv_jax.prefix.keys import CHAIN_WORDS, LANES, new_seed, seed_words
 from flatkv_jax.prefix.lru import CachedLRU, create_lrus
 
 _I32 = jnp.int32
@@ -87,7 +87,7 @@ class PoolView(NamedTuple):
         "allocator", "table_buffer", "lo", "hi", "generation", "live", "pending", "extent",
         "committed", "fifo_start", "fifo_count", "fifo_cap", "fifo_head", "fifo_len",
         "indexes", "lrus", "pinned", "chain", "namespace", "keyed", "fifo_tokens",
-        "defer_group", "defer_slot", "defer_sums", "defer_len",
+        "defer_group", "defer_slot", "defer_sums", "defer_len", "key_seed",
     ],
     meta_fields=["layout"],
 )  # fmt: skip
@@ -113,7 +113,8 @@ class CacheState:
       lrus: per group, its :class:`~flatkv_jax.prefix.lru.CachedLRU` (cached-only pages).
       pinned: per group, ``bool[num_pages]``, all False between calls (admit's scratch mask of
         pages matched in the call; kept in the state so setting it costs O(pages matched)).
-      chain: ``uint32[R, LANES]``, the chain state ``S(committed)`` of each request's tokens.
+      chain: ``uint32[R, CHAIN_WORDS]``, the chain state of each request's committed tokens
+        (:func:`flatkv_jax.prefix.keys.extend_chain`).
       namespace: ``int32[R]``, each request's namespace (low word).
       keyed: ``bool[R]``, the request's committed tokens are known (it publishes).
       fifo_tokens: ``int32[R, D, T]``, the token ids of each in-flight step (``T = max(
@@ -122,6 +123,8 @@ class CacheState:
         defer_len: ``int32[R]``: per request, committed blocks whose key another page held
         when they were published (group, table slot, chain state at the block end), offered
         again at the request's next publish. ``K = deferred_blocks``.
+      key_seed: ``uint32[SEED_WORDS]``, the secret seed of every prefix key of this state
+        (docs/prefix.md, "Threat model"); drawn from OS entropy unless ``create_state(seed=)``.
     """
 
     allocator: BlockPoolSet
@@ -149,6 +152,7 @@ class CacheState:
     defer_slot: jax.Array
     defer_sums: jax.Array
     defer_len: jax.Array
+    key_seed: jax.Array
     layout: StateLayout
 
     @property
@@ -193,6 +197,7 @@ def create_state(
     deferred_blocks: int | None = None,
     *,
     prefix: bool = True,
+    seed: int | None = None,
 ) -> CacheState:
     """An empty cache state for ``plan``: every page free, every slot free, tables all -1.
 
@@ -207,6 +212,10 @@ def create_state(
         pin masks, step tokens or deferred lists: the operations then compile without any
         prefix code (a smaller, faster step on CPU, where even an untaken branch costs time
         per op; docs/coordinator.md) and reject batches that carry tokens.
+      seed: the secret seed of the prefix keys: ``None`` (default) draws 128 bits from the
+        operating system's entropy (``secrets``), so nobody outside the process can predict a
+        key; an int in ``[0, 2**128)`` or ``uint32[4]`` words makes keys reproducible (tests).
+        Never derive it from public data (docs/prefix.md, "Threat model").
 
     Returns:
       The state. Device bytes: the plan's table bytes plus about ``8 * num_pages`` per pool
@@ -215,7 +224,7 @@ def create_state(
       of step tokens.
 
     Raises:
-      ValueError/TypeError: a bad ``fifo_depth``, ``deferred_blocks`` or ``prefix``.
+      ValueError/TypeError: a bad ``fifo_depth``, ``deferred_blocks``, ``prefix`` or ``seed``.
     """
     check_positive_int("fifo_depth", fifo_depth)
     if not isinstance(prefix, bool):
@@ -261,7 +270,7 @@ def create_state(
         indexes=create_indexes(plan) if prefix else (),
         lrus=create_lrus(plan) if prefix else (),
         pinned=tuple(jnp.zeros((plan.pages(g),), jnp.bool_) for g in plan.groups) if prefix else (),
-        chain=jnp.zeros((r, LANES), jnp.uint32),
+        chain=jnp.zeros((r, CHAIN_WORDS), jnp.uint32),
         namespace=zeros(),
         keyed=jnp.zeros((r,), jnp.bool_),
         fifo_tokens=jnp.zeros((r, fifo_depth, width), _I32),
@@ -269,6 +278,7 @@ def create_state(
         defer_slot=jnp.zeros((r, kd), _I32),
         defer_sums=jnp.zeros((r, kd, LANES), jnp.uint32),
         defer_len=zeros(),
+        key_seed=jnp.asarray(new_seed() if seed is None else seed_words(seed)),
         layout=state_layout(plan),
     )
 

@@ -3,7 +3,7 @@ and prefix matching. See ``docs/prefix.md``.
 
 Modules:
 
-- :mod:`~flatkv_jax.prefix.keys`: chained 128-bit block keys from token ids (+ namespace).
+- :mod:`~flatkv_jax.prefix.keys`: chained 128-bit block keys from token ids, keyed by a secret seed (+ namespace).
 - :mod:`~flatkv_jax.prefix.index`: :class:`PrefixIndex`, key -> page, first publisher wins.
 - :mod:`~flatkv_jax.prefix.lru`: :class:`CachedLRU`, eviction order of cached-only pages.
 - :mod:`~flatkv_jax.prefix.match`: :func:`match_prompts`, the common hit across groups.
@@ -12,36 +12,52 @@ Modules:
 from flatkv_jax.prefix import index, keys, lru, match
 from flatkv_jax.prefix.index import PrefixIndex, create_index, create_indexes
 from flatkv_jax.prefix.keys import (
+    CHAIN_TOKENS,
+    CHAIN_WORDS,
     KEY_WORDS,
     LANES,
+    SEED_WORDS,
+    PromptHash,
     block_keys,
-    chain_sums,
-    extend_sums,
+    chain_lanes,
+    chain_state,
+    extend_chain,
+    keys_at,
+    keys_from_lanes,
     namespace_words,
+    new_seed,
+    seed_words,
 )
 from flatkv_jax.prefix.lru import CachedLRU, create_lru, create_lrus
 from flatkv_jax.prefix.match import MatchLayout, PrefixMatch, match_prompts
 
 __all__ = [
+    "CHAIN_TOKENS",
+    "CHAIN_WORDS",
     "KEY_WORDS",
     "LANES",
+    "SEED_WORDS",
     "CachedLRU",
     "MatchLayout",
     "PrefixIndex",
     "PrefixMatch",
+    "PromptHash",
     "block_keys",
-    "chain_sums",
+    "chain_lanes",
+    "chain_state",
     "create_index",
     "create_indexes",
     "create_lru",
     "create_lrus",
-    "extend_sums",
+    "extend_chain",
     "index",
     "keys",
     "keys_at",
-    "keys_from_sums",
+    "keys_from_lanes",
     "lru",
     "match",
     "match_prompts",
     "namespace_words",
+    "new_seed",
+    "seed_words",
 ]

@@ -1,4 +1,4 @@
-"""Content keys of prefix blocks, computed on device from token ids.
+"""Content keys of prefix blocks, computed on device from token ids under a secret seed.
 
 A prefix key names the exact token prefix ``tokens[0:end]`` of one prompt in one namespace.
 It is ``KEY_WORDS = 7`` uint32 words:
@@ -6,39 +6,53 @@ It is ``KEY_WORDS = 7`` uint32 words:
 ======  =====================================================================================
 words   meaning
 ======  =====================================================================================
-0..3    four independent 32-bit hash lanes (128 bits) of the prefix: the **chain state**
+0..3    four 32-bit hash lanes (128 bits) of the prefix, keyed by the state's secret seed
 4..5    the namespace (tenant / LoRA adapter / model version salt), stored verbatim
 6       ``end``, the prefix length in tokens (the block's end position), stored verbatim
 ======  =====================================================================================
 
 The index compares all seven words, so two keys of different namespaces or different lengths
 never match, whatever the hash lanes say; only same-namespace, same-length prefixes rely on
-the 128 hash bits (collision analysis: ``docs/prefix.md``).
+the 128 hash bits (threat model and collision bound: ``docs/prefix.md``).
 
-The chain. Each token ``t`` at position ``k`` contributes a term per lane,
-``term_l(t, k) = fmix(fmix(fmix(t * C + a) ^ s_l) ^ (k * D + c_l))`` (``fmix`` is the murmur3
-finaliser, a bijection of uint32; ``C`` is odd; ``a``, ``s_l``, ``c_l`` are namespace seeds), and the chain state after ``end`` tokens is the lane-wise
-sum of the terms modulo 2**32::
+The hash. Everything is keyed by a 128-bit **secret seed** (``create_state`` draws one from
+the operating system's entropy; tests pass one explicitly) mixed with the namespace into three
+128-bit subkeys ``tk, gk, fk``. ``E_k(x) = P(x ^ k) ^ k`` is an Even-Mansour cipher over four
+uint32 words, ``P`` a fixed ARX permutation (rounds of ChaCha's quarter-round). Tokens are
+grouped into **chain blocks** of ``CHAIN_TOKENS = 128`` positions:
 
-    S(end) = S(end - B) + sum(term(t_k, k) for k in [end - B, end))   # key_i = H(key_{i-1}, block_i, ns)
+- each token ``t`` at position ``k`` gives a term ``E_tk(t, k, 0, 0)`` (128 bits; distinct
+  ``(t, k)`` give distinct terms) — all tokens in parallel;
+- ``A_j(e)``: the lane-wise sum (mod 2**32) of the terms of block ``j``'s tokens before ``e``;
+- the chain: ``S_0 = 0`` and ``S_{j+1} = F(S_j, A_j((j + 1) * C), (j + 1) * C)``, where
+  ``F(S, A, e) = E_fk((E_gk(S) + A) ^ (0, 0, 0, e))`` — a sequential, non-linear step per
+  chain block only (``lax.scan`` over blocks, vectorised over prompts);
+- the lanes of the prefix ending at ``e`` are ``F(S_j, A_j(e), e)`` with ``j`` the block of
+  token ``e - 1`` (so at a block boundary they equal ``S_{j+1}``): every key depends
+  non-linearly on the chain key of the previous block boundary and on every token since.
 
-Because the terms are position-tagged, the sum identifies the ordered prefix, and because
-addition is associative the whole prompt is hashed in one vectorised pass (a cumulative sum,
-no scan over blocks). For a fixed position and namespace ``term_l`` is a bijection of the token
-id, so two prefixes that differ in exactly one token never share a key. The coordinator can
-keep ``S`` per request (4 words) and extend it with :func:`extend_sums` as tokens are accepted,
-without keeping the tokens.
+For a fixed chain key ``S_j``, ``F`` is a bijection of ``A``, and ``A`` changes whenever one
+token of the block changes, so two prefixes that differ in exactly one token of their last
+block never share a key. Without the seed the terms and ``F`` cannot be computed, so nobody
+can construct two prompts with equal keys (the sums are of keyed pseudo-random values, not
+of public ones).
+
+Incremental: the coordinator keeps a request's **chain state** ``(S_j, A_j(c))``
+(``CHAIN_WORDS = 8`` words; all zeros at ``c = 0``) and continues it over newly accepted
+tokens with :func:`extend_chain`, which returns the lanes at every new end; it never needs the
+old tokens again. :func:`chain_lanes` hashes whole prompts in one pass (terms, per-unit sums,
+a cumulative sum within blocks, the scan over blocks, then the lanes at every unit end).
 
 Keys are the same for every group: group ``g``'s block ``i`` is named by the key of the
 prefix that ends at the block's end, ``(i + 1) * block_tokens``; each group has its own index.
-Bulk hashing (:func:`chain_sums`) sums tokens per ``unit`` (the gcd of the groups' block spans)
-and accumulates across units, so a key exists at every end position any group needs.
-
-These are not cryptographic hashes. See ``docs/prefix.md`` for the collision analysis and for
-why a namespace should carry a secret salt when prompts come from untrusted users.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import secrets
 
 import jax
 import jax.numpy as jnp
@@ -53,23 +67,169 @@ KEY_WORDS = LANES + 3
 #: Word offsets inside a key.
 NS_WORD = LANES
 END_WORD = LANES + 2
+#: uint32 words of the secret seed (128 bits).
+SEED_WORDS = 4
+#: uint32 words of a chain state: the chain key ``S_j`` and the block's partial sum ``A_j``.
+CHAIN_WORDS = 2 * LANES
+#: Tokens per chain block: the non-linear chain step runs once per block.
+CHAIN_TOKENS = 128
 
-_M1 = np.uint32(0x85EBCA6B)
-_M2 = np.uint32(0xC2B2AE35)
-_TOKEN_MUL = np.uint32(0x9E3779B1)  # odd: token -> token * C is a bijection
-_POS_MUL = np.uint32(0x632BE5AB)
-_NS_SEED = np.uint32(0x27D4EB2F)
-_LANE_SEEDS = np.array([0x165667B1, 0xD3A2646C, 0xFD7046C5, 0xB55A4F09], np.uint32)
-_POS_SEEDS = np.array([0x68E31DA4, 0xB5297A4D, 0x1B56C4E9, 0x7FEB352D], np.uint32)
+#: Quarter-rounds of ``P`` per use: token terms, and the chain / subkey mixes.
+TERM_ROUNDS = 6
+CHAIN_ROUNDS = 8
+
+_U32 = jnp.uint32
+# Round constants (break the symmetry between rounds; any distinct odd values do).
+_RC = np.array(
+    [0x9E3779B9, 0x7F4A7C15, 0xF39CC060, 0x5CEDC834, 0xB7E15163, 0x2B7E1516, 0x243F6A89,
+     0x13198A2F, 0xA4093823, 0x299F31D1],
+    np.uint32,
+)  # fmt: skip
+# Domain tags of the three subkeys.
+_TAG_TERM, _TAG_CHAIN, _TAG_FINAL = 0x746B656E, 0x67636861, 0x666B6579
 
 
-def _fmix(x: jax.Array) -> jax.Array:
-    """murmur3's 32-bit finaliser: a bijection of uint32 with full avalanche."""
-    x = x ^ (x >> np.uint32(16))
-    x = x * _M1
-    x = x ^ (x >> np.uint32(13))
-    x = x * _M2
-    return x ^ (x >> np.uint32(16))
+def new_seed() -> np.ndarray:
+    """A fresh secret seed, ``uint32[SEED_WORDS]``, from the operating system's entropy."""
+    return np.frombuffer(secrets.token_bytes(4 * SEED_WORDS), np.uint32).copy()
+
+
+def seed_words(seed) -> np.ndarray:
+    """Host helper: a seed as ``uint32[SEED_WORDS]``.
+
+    Args:
+      seed: an int in ``[0, 2**128)`` (low word first) or ``SEED_WORDS`` uint32 words
+        (a sequence of ints or a NumPy array).
+
+    Raises:
+      TypeError/ValueError: another type, a negative or too large int, a wrong length.
+    """
+    if isinstance(seed, int) and not isinstance(seed, bool):
+        if not 0 <= seed < 2 ** (32 * SEED_WORDS):
+            fail(
+                "seed",
+                seed,
+                "a seed int must lie in [0, 2**128)",
+                "pass a smaller int, or None to draw a secret one",
+            )
+        return np.array([(seed >> (32 * i)) & 0xFFFFFFFF for i in range(SEED_WORDS)], np.uint32)
+    if isinstance(seed, np.ndarray | list | tuple):
+        arr = np.asarray(seed)
+        if arr.shape != (SEED_WORDS,) or not np.issubdtype(arr.dtype, np.integer):
+            fail(
+                "seed",
+                f"{arr.dtype}{list(arr.shape)}",
+                f"a seed array holds {SEED_WORDS} uint32 words",
+                "pass an int or uint32[4] (e.g. from new_seed())",
+            )
+        if arr.min() < 0 or arr.max() >= 2**32:
+            fail("seed", seed, "seed words lie in [0, 2**32)", "pass uint32 words")
+        return arr.astype(np.uint32)
+    fail(
+        "seed",
+        seed,
+        "a seed is an int or uint32[4] words",
+        "pass e.g. seed=0 in tests, or leave it None to draw a secret one",
+        exc=TypeError,
+    )
+
+
+def _as_seed(seed) -> jax.Array:
+    """uint32[SEED_WORDS] on device (a traced array passes through with a shape check)."""
+    if isinstance(seed, int | list | tuple | np.ndarray) and not isinstance(seed, bool):
+        return jnp.asarray(seed_words(seed))
+    s = jnp.asarray(seed)
+    if s.shape == () and s.dtype in (jnp.int32, jnp.uint32):
+        # A Python int passed through jax.jit arrives as a traced scalar: the low word.
+        return jnp.stack([s.astype(_U32)] + [jnp.zeros((), _U32)] * (SEED_WORDS - 1))
+    if s.shape != (SEED_WORDS,) or s.dtype != jnp.uint32:
+        fail(
+            "seed",
+            f"{s.dtype}{list(s.shape)}",
+            f"the key seed is uint32[{SEED_WORDS}]",
+            "pass state.key_seed, seed_words(int) or new_seed()",
+            exc=TypeError if s.dtype != jnp.uint32 else ValueError,
+        )
+    return s
+
+
+def _rotl(x: jax.Array, r: int) -> jax.Array:
+    return (x << np.uint32(r)) | (x >> np.uint32(32 - r))
+
+
+def _permute(x: jax.Array, rounds: int) -> jax.Array:
+    """``P``: a fixed permutation of ``uint32[..., 4]`` (ChaCha quarter-rounds, roles rotated
+    and a constant injected between rounds). Public; the keys make it secret."""
+    a, b, c, d = (x[..., i] for i in range(4))
+    for r in range(rounds):
+        a = a + b
+        d = _rotl(d ^ a, 16)
+        c = c + d
+        b = _rotl(b ^ c, 12)
+        a = a + b
+        d = _rotl(d ^ a, 8)
+        c = c + d
+        b = _rotl(b ^ c, 7)
+        a, b, c, d = b, c, d, a ^ _RC[r % len(_RC)]
+    return jnp.stack([a, b, c, d], axis=-1)
+
+
+def _cipher(k: jax.Array, x: jax.Array, rounds: int) -> jax.Array:
+    """``E_k(x) = P(x ^ k) ^ k`` (Even-Mansour): a keyed bijection of 128-bit words."""
+    return _permute(x ^ k, rounds) ^ k
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Subkeys:
+    """Per-prompt keys derived from the seed and the namespace: ``uint32[B, 4]`` each."""
+
+    term: jax.Array
+    chain: jax.Array
+    final: jax.Array
+
+
+def subkeys(seed, namespace, batch: int) -> Subkeys:
+    """The three per-prompt subkeys of ``seed`` and each prompt's namespace."""
+    k = _as_seed(seed)[None, :]
+    ns = _as_namespace(namespace, batch)
+
+    def derive(tag):
+        x = jnp.stack(
+            [ns[:, 0], ns[:, 1], jnp.full((batch,), tag, _U32), jnp.full((batch,), 1, _U32)], 1
+        )
+        return _cipher(k, x, CHAIN_ROUNDS)
+
+    return Subkeys(derive(_TAG_TERM), derive(_TAG_CHAIN), derive(_TAG_FINAL))
+
+
+def token_terms(tokens: jax.Array, positions: jax.Array, sub: Subkeys, mask: jax.Array):
+    """Per-token terms ``E_tk(t, k, 0, 0)``: ``uint32[B, T, LANES]`` (0 where ``mask`` is False).
+
+    Args:
+      tokens: int32[B, T] token ids.
+      positions: int32[B, T] absolute positions.
+      sub: :func:`subkeys` of the prompts.
+      mask: bool[B, T].
+    """
+    z = jnp.zeros(tokens.shape, _U32)
+    x = jnp.stack([tokens.astype(_U32), positions.astype(_U32), z, z], axis=-1)
+    terms = _cipher(sub.term[:, None, :], x, TERM_ROUNDS)
+    return jnp.where(mask[:, :, None], terms, _U32(0))
+
+
+def _chain_key(sub: Subkeys, s: jax.Array) -> jax.Array:
+    """``E_gk(S)``: the non-linear image of a chain key (``s``: ``[B, ..., 4]``)."""
+    k = sub.chain.reshape(sub.chain.shape[:1] + (1,) * (s.ndim - 2) + (LANES,))
+    return _cipher(k, s, CHAIN_ROUNDS)
+
+
+def _finish(sub: Subkeys, g: jax.Array, acc: jax.Array, ends: jax.Array) -> jax.Array:
+    """``F``: lanes of the prefix ending at ``ends`` from ``g = E_gk(S_j)`` and ``A_j(end)``."""
+    x = g + acc
+    x = x.at[..., 3].set(x[..., 3] ^ ends.astype(_U32))
+    k = sub.final.reshape(sub.final.shape[:1] + (1,) * (x.ndim - 2) + (LANES,))
+    return _cipher(k, x, CHAIN_ROUNDS)
 
 
 def namespace_words(namespace: int | tuple[int, int]) -> np.ndarray:
@@ -185,101 +345,192 @@ def _check_lengths(lengths, batch: int, what: str = "lengths") -> jax.Array:
     return lengths
 
 
-def _seeds(ns: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Per-prompt seeds from uint32[B, 2] namespaces: token seed [B], lane seeds [B, LANES],
-    position seeds [B, LANES]."""
-    base = _fmix(ns[:, 0] ^ _fmix(ns[:, 1] + _NS_SEED))  # [B]
-    lane = _fmix(base[:, None] ^ jnp.asarray(_LANE_SEEDS)[None, :])  # [B, LANES]
-    pos = _fmix(base[:, None] + jnp.asarray(_POS_SEEDS)[None, :])  # [B, LANES]
-    return base, lane, pos
-
-
-def token_terms(tokens: jax.Array, positions: jax.Array, namespace, mask: jax.Array) -> jax.Array:
-    """Per-token, per-lane hash terms (0 where ``mask`` is False).
+def _chain_run(
+    sub: Subkeys, s0: jax.Array, tot: jax.Array, bounds: jax.Array, done: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
+    """Runs the chain over ``n`` blocks: ``S_{r+1} = F(S_r, tot_r, bounds_r)`` where ``done``.
 
     Args:
-      tokens: int32[B, T] token ids.
-      positions: int32[B, T] absolute positions of the tokens (>= 0).
-      namespace: uint32[2] or uint32[B, 2] words, an int32/uint32 scalar or [B] low word, or a
-        Python int / pair (see :func:`namespace_words`).
-      mask: bool[B, T]; masked tokens contribute nothing.
+      s0: uint32[B, 4] the chain key before the first block.
+      tot: uint32[B, n, 4] each block's complete sum.
+      bounds: int32[B, n] each block's end position.
+      done: bool[B, n] or None (all): whether the block completes (else ``S`` is kept).
 
     Returns:
-      uint32[B, T, LANES].
+      ``(heads, g)``: uint32[B, n + 1, 4] the chain keys at the block starts (and after the
+      last), and uint32[B, n, 4] their images ``E_gk(S_r)``.
     """
-    tokens = _check_tokens(tokens)
-    ns = _as_namespace(namespace, tokens.shape[0])
-    base, lane, pos_seed = _seeds(ns)
-    inner = _fmix(tokens.astype(jnp.uint32) * _TOKEN_MUL + base[:, None])  # [B, T], bijective in t
-    tag = (
-        positions.astype(jnp.uint32)[:, :, None] * _POS_MUL + pos_seed[:, None, :]
-    )  # [B, T, LANES]
-    terms = _fmix(_fmix(inner[:, :, None] ^ lane[:, None, :]) ^ tag)
-    return jnp.where(mask[:, :, None], terms, jnp.uint32(0))
+    n = tot.shape[1]
+
+    def step(s, x):
+        t, e, ok = x
+        g = _chain_key(sub, s)
+        nxt = _finish(sub, g, t, e)
+        return (nxt if ok is None else jnp.where(ok[:, None], nxt, s)), (s, g)
+
+    if n <= 8:  # short chains (the publish path): unrolled, no loop
+        s, heads, gs = s0, [], []
+        for r in range(n):
+            s, (h, g) = step(s, (tot[:, r], bounds[:, r], None if done is None else done[:, r]))
+            heads.append(h)
+            gs.append(g)
+        heads.append(s)
+        return jnp.stack(heads, 1), (jnp.stack(gs, 1) if gs else tot)
+    xs = (
+        jnp.swapaxes(tot, 0, 1),
+        jnp.swapaxes(bounds, 0, 1),
+        None if done is None else jnp.swapaxes(done, 0, 1),
+    )
+    s, (heads, gs) = jax.lax.scan(step, s0, xs)
+    heads = jnp.concatenate([jnp.swapaxes(heads, 0, 1), s[:, None]], axis=1)
+    return heads, jnp.swapaxes(gs, 0, 1)
 
 
-def chain_sums(tokens: jax.Array, lengths: jax.Array, namespace, *, unit: int) -> jax.Array:
-    """Chain states of every ``unit``-aligned prefix of a batch of prompts, in one pass.
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["lanes", "acc", "heads"],
+    meta_fields=["unit", "sub_unit"],
+)
+@dataclasses.dataclass(frozen=True)
+class PromptHash:
+    """Hashes of every ``unit``-aligned prefix of a batch of prompts (:func:`chain_lanes`).
+
+    Attributes:
+      lanes: uint32[B, L // unit, LANES]; entry ``j`` holds the lanes of the prefix of
+        ``(j + 1) * unit`` tokens (meaningful while that is ``<= lengths``).
+      acc: uint32[B, N, LANES], the block sums ``A_j`` at every ``sub_unit`` end.
+      heads: uint32[B, NB + 1, LANES], the chain keys ``S_j`` at every block boundary.
+      unit: static, the unit of ``lanes``.
+      sub_unit: static, ``gcd(unit, CHAIN_TOKENS)``, the unit of ``acc``.
+    """
+
+    lanes: jax.Array
+    acc: jax.Array
+    heads: jax.Array
+    unit: int
+    sub_unit: int
+
+
+def chain_lanes(tokens: jax.Array, lengths: jax.Array, namespace, *, seed, unit: int) -> PromptHash:
+    """Lanes of every ``unit``-aligned prefix of a batch of prompts, in one pass.
+
+    Cost: one keyed term per token (parallel), one chain step per ``CHAIN_TOKENS`` tokens
+    (a ``lax.scan`` over blocks, vectorised over prompts) and one finishing mix per unit end.
 
     Args:
       tokens: int32[B, L] token ids, padded arbitrarily beyond ``lengths``.
       lengths: int32[B] prompt lengths; tokens at positions ``>= lengths`` are ignored.
-      namespace: uint32[2] or uint32[B, 2] (or an int / pair).
-      unit: static; the state is returned at every multiple of ``unit``.
+      namespace: uint32[2] or uint32[B, 2] (or an int / pair; see :func:`namespace_words`).
+      seed: the secret key seed, uint32[SEED_WORDS] (``state.key_seed``) or an int.
+      unit: static; lanes are returned at every multiple of ``unit``.
 
     Returns:
-      uint32[B, L // unit, LANES]: entry ``j`` is the chain state ``S((j + 1) * unit)``
-      (meaningful only while ``(j + 1) * unit <= lengths``; a trailing partial unit is dropped).
+      :class:`PromptHash`.
     """
     check_positive_int("unit", unit)
     tokens = _check_tokens(tokens)
     b, length = tokens.shape
     lengths = _check_lengths(lengths, b)
-    n = length // unit
-    tokens = tokens[:, : n * unit]
-    pos = jnp.broadcast_to(jnp.arange(n * unit, dtype=jnp.int32)[None, :], (b, n * unit))
-    terms = token_terms(tokens, pos, namespace, pos < lengths[:, None])
-    per_unit = jnp.sum(terms.reshape(b, n, unit, LANES), axis=2, dtype=jnp.uint32)
-    return jnp.cumsum(per_unit, axis=1, dtype=jnp.uint32)
+    c = CHAIN_TOKENS
+    u = math.gcd(unit, c)
+    per = c // u
+    nb = max(1, -(-length // c))
+    padded = jnp.pad(tokens, ((0, 0), (0, nb * c - length)))
+    pos = jnp.broadcast_to(jnp.arange(nb * c, dtype=jnp.int32)[None, :], (b, nb * c))
+    sub = subkeys(seed, namespace, b)
+    terms = token_terms(padded, pos, sub, pos < lengths[:, None])
+    per_unit = jnp.sum(terms.reshape(b, nb, per, u, LANES), axis=3, dtype=_U32)
+    acc = jnp.cumsum(per_unit, axis=2, dtype=_U32)  # [B, nb, per, 4]: A_j at each u-end
+    bounds = jnp.broadcast_to(((jnp.arange(nb, dtype=jnp.int32) + 1) * c)[None, :], (b, nb))
+    heads, g = _chain_run(sub, jnp.zeros((b, LANES), _U32), acc[:, :, -1], bounds, None)
+    ends = ((jnp.arange(nb * per, dtype=jnp.int32) + 1) * u).reshape(1, nb, per)
+    lanes = _finish(sub, g[:, :, None, :], acc, ends).reshape(b, nb * per, LANES)
+    k = unit // u
+    lanes = lanes[:, k - 1 :: k][:, : length // unit]
+    return PromptHash(lanes, acc.reshape(b, nb * per, LANES), heads, unit, u)
 
 
-def extend_sums(
-    base: jax.Array, tokens: jax.Array, start: jax.Array, count: jax.Array, namespace
-) -> jax.Array:
+def chain_state(ph: PromptHash, ends: jax.Array) -> jax.Array:
+    """The chain states ``(S_j, A_j(end))`` at ``ends`` (int32[B], multiples of ``ph.unit``,
+    ``0 <= end <= L``): ``uint32[B, CHAIN_WORDS]``, all zeros at ``end == 0``."""
+    b = ph.heads.shape[0]
+    j = jnp.clip(ends // CHAIN_TOKENS, 0, ph.heads.shape[1] - 1)
+    s = jnp.take_along_axis(ph.heads, j[:, None, None], axis=1)[:, 0]
+    i = jnp.clip(ends // ph.sub_unit - 1, 0, ph.acc.shape[1] - 1)
+    a = jnp.take_along_axis(ph.acc, i[:, None, None], axis=1)[:, 0]
+    a = jnp.where((ends % CHAIN_TOKENS != 0)[:, None], a, _U32(0))
+    del b
+    return jnp.concatenate([s, a], axis=1)
+
+
+def extend_chain(
+    chain: jax.Array, tokens: jax.Array, start: jax.Array, count: jax.Array, namespace, *, seed
+) -> tuple[jax.Array, jax.Array]:
     """Continues chain states over newly accepted tokens (the coordinator's publish path).
 
+    Cost: ``T`` token terms and ``T`` finishing mixes per row, and one chain step per block
+    boundary the ``T`` positions can cross (unrolled: ``T <= 7 * CHAIN_TOKENS``).
+
     Args:
-      base: uint32[B, LANES], the chain state ``S(start)`` (zeros for ``start == 0``).
+      chain: uint32[B, CHAIN_WORDS], the chain state at ``start`` (zeros at ``start == 0``;
+        ``PrefixMatch.state`` at admission, this function's second output afterwards).
       tokens: int32[B, T], the tokens at positions ``start .. start + T - 1``.
       start: int32[B] position of ``tokens[:, 0]``.
       count: int32[B] how many of the T tokens are real (the rest are ignored).
+      namespace: uint32[2] or uint32[B, 2] (or an int / pair).
+      seed: the secret key seed (as for :func:`chain_lanes`).
 
     Returns:
-      uint32[B, T, LANES]: entry ``t`` is ``S(start + t + 1)`` (equal to ``S(start + count)``
-      for ``t >= count``).
+      ``(lanes, chain)``: uint32[B, T, LANES], entry ``t`` the lanes of the prefix ending at
+      ``start + t + 1`` (junk for ``t >= count``), and the chain state at ``start + count``.
     """
     tokens = _check_tokens(tokens)
     b, t = tokens.shape
     start = _check_lengths(start, b, "start")
     count = _check_lengths(count, b, "count")
-    if base.shape != (b, LANES) or base.dtype != jnp.uint32:
+    chain = jnp.asarray(chain)
+    if chain.shape != (b, CHAIN_WORDS) or chain.dtype != _U32:
         fail(
-            "base",
-            f"{base.dtype}{list(base.shape)}",
-            f"the chain state is uint32[B, {LANES}]",
+            "chain",
+            f"{chain.dtype}{list(chain.shape)}",
+            f"the chain state is uint32[B, {CHAIN_WORDS}]",
             "pass the state returned with the hit (or zeros)",
         )
+    c = CHAIN_TOKENS
+    sub = subkeys(seed, namespace, b)
     offs = jnp.arange(t, dtype=jnp.int32)[None, :]
-    terms = token_terms(tokens, start[:, None] + offs, namespace, offs < count[:, None])
-    return base[:, None, :] + jnp.cumsum(terms, axis=1, dtype=jnp.uint32)
+    pos = start[:, None] + offs
+    terms = token_terms(tokens, pos, sub, offs < count[:, None])
+    s0, a0 = chain[:, :LANES], chain[:, LANES:]
+    q0, phase = start // c, start % c
+    seg = pos // c - q0[:, None]  # [B, T]: block of each token, relative to start's block
+    nseg = (c + t - 2) // c + 1
+    rr = jnp.arange(nseg, dtype=jnp.int32)[None, :]
+    cs = jnp.cumsum(terms, axis=1, dtype=_U32)
+    first = jnp.maximum(rr * c - phase[:, None], 0)  # first token index of each segment
+    before = jnp.take_along_axis(cs, jnp.clip(first - 1, 0, t - 1)[:, :, None], axis=1)
+    before = jnp.where((first >= 1)[:, :, None], before, _U32(0))
+    base = before - jnp.where((rr == 0)[:, :, None], a0[:, None, :], _U32(0))
+    acc = cs - jnp.take_along_axis(base, seg[:, :, None], axis=1)  # A_j(pos + 1)
+    last = jnp.clip((rr + 1) * c - phase[:, None] - 1, 0, t - 1)
+    tot = jnp.take_along_axis(acc, last[:, :, None], axis=1)
+    bounds = (q0[:, None] + rr + 1) * c
+    heads, g = _chain_run(sub, s0, tot, bounds, bounds <= (start + count)[:, None])
+    lanes = _finish(sub, jnp.take_along_axis(g, seg[:, :, None], axis=1), acc, pos + 1)
+    end = start + count
+    s_new = jnp.take_along_axis(heads, (end // c - q0)[:, None, None], axis=1)[:, 0]
+    a_last = jnp.take_along_axis(acc, jnp.clip(count - 1, 0, t - 1)[:, None, None], axis=1)[:, 0]
+    a_new = jnp.where((count > 0)[:, None], a_last, a0)
+    a_new = jnp.where((end % c == 0)[:, None], _U32(0), a_new)
+    return lanes, jnp.concatenate([s_new, a_new], axis=1)
 
 
-def keys_from_sums(sums: jax.Array, ends: jax.Array, namespace) -> jax.Array:
-    """Assembles keys from chain states.
+def keys_from_lanes(lanes: jax.Array, ends: jax.Array, namespace) -> jax.Array:
+    """Assembles keys from hash lanes.
 
     Args:
-      sums: uint32[B, K, LANES] chain states ``S(ends)``.
-      ends: int32[B, K] the prefix lengths the states belong to.
+      lanes: uint32[B, K, LANES] the lanes of the prefixes ending at ``ends``.
+      ends: int32[B, K] the prefix lengths.
       namespace: uint32[2] or uint32[B, 2] (or an int / pair).
 
     Returns:
@@ -288,19 +539,19 @@ def keys_from_sums(sums: jax.Array, ends: jax.Array, namespace) -> jax.Array:
     b, k = ends.shape
     ns = _as_namespace(namespace, b)
     ns = jnp.broadcast_to(ns[:, None, :], (b, k, 2))
-    return jnp.concatenate([sums, ns, ends.astype(jnp.uint32)[:, :, None]], axis=-1)
+    return jnp.concatenate([lanes, ns, ends.astype(_U32)[:, :, None]], axis=-1)
 
 
 def keys_at(
-    sums: jax.Array, unit: int, lengths: jax.Array, namespace, ends: jax.Array
+    lanes: jax.Array, unit: int, lengths: jax.Array, namespace, ends: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """Keys of the prefixes ending at ``ends``, gathered from :func:`chain_sums` output.
+    """Keys of the prefixes ending at ``ends``, gathered from ``chain_lanes(...).lanes``.
 
     Args:
-      sums: uint32[B, N, LANES] from ``chain_sums(..., unit=unit)``.
-      unit: static, the unit ``sums`` was computed with.
+      lanes: uint32[B, N, LANES] from ``chain_lanes(..., unit=unit).lanes``.
+      unit: static, the unit ``lanes`` was computed with.
       lengths: int32[B] prompt lengths.
-      namespace: as for :func:`chain_sums`.
+      namespace: as for :func:`chain_lanes`.
       ends: int32[B, K] or int32[K] (shared by every prompt) prefix lengths.
 
     Returns:
@@ -308,18 +559,18 @@ def keys_at(
       prefix is empty, not a multiple of ``unit``, or longer than the prompt (its key is junk).
     """
     check_positive_int("unit", unit)
-    b, n, _ = sums.shape
+    b, n, _ = lanes.shape
     ends = jnp.asarray(ends, jnp.int32)
     if ends.ndim == 1:
         ends = jnp.broadcast_to(ends[None, :], (b, ends.shape[0]))
     j = ends // unit - 1
     valid = (ends > 0) & (ends % unit == 0) & (j < n) & (ends <= lengths[:, None])
-    at = jnp.take_along_axis(sums, jnp.clip(j, 0, max(n - 1, 0))[:, :, None], axis=1)
-    return keys_from_sums(at, ends, namespace), valid
+    at = jnp.take_along_axis(lanes, jnp.clip(j, 0, max(n - 1, 0))[:, :, None], axis=1)
+    return keys_from_lanes(at, ends, namespace), valid
 
 
 def block_keys(
-    tokens: jax.Array, lengths: jax.Array, namespace, *, block_tokens: int
+    tokens: jax.Array, lengths: jax.Array, namespace, *, seed, block_tokens: int
 ) -> tuple[jax.Array, jax.Array]:
     """Keys of every complete block of ``block_tokens`` tokens of each prompt.
 
@@ -327,6 +578,7 @@ def block_keys(
       tokens: int32[B, L] token ids, padded beyond ``lengths``.
       lengths: int32[B] prompt lengths.
       namespace: uint32[2] or uint32[B, 2] (or an int / pair).
+      seed: the secret key seed (as for :func:`chain_lanes`).
       block_tokens: static block span.
 
     Returns:
@@ -334,7 +586,7 @@ def block_keys(
       block ``i`` (tokens ``[i*B, (i+1)*B)``) is valid iff it lies wholly inside the prompt.
     """
     check_positive_int("block_tokens", block_tokens)
-    sums = chain_sums(tokens, lengths, namespace, unit=block_tokens)
-    n = sums.shape[1]
+    ph = chain_lanes(tokens, lengths, namespace, seed=seed, unit=block_tokens)
+    n = ph.lanes.shape[1]
     ends = (jnp.arange(n, dtype=jnp.int32) + 1) * block_tokens
-    return keys_at(sums, block_tokens, lengths, namespace, ends)
+    return keys_at(ph.lanes, block_tokens, lengths, namespace, ends)

@@ -135,8 +135,9 @@ class PrefixMatch:
       pages: per group, int32[B, slots_g] table rows for the hit: slot ``i < hit / B`` holds the
         cached page (>= 1), or 0 (a hole: a window group's block behind its window); slots
         ``>= hit / B`` are -1 (not allocated). Every page >= 1 here takes one table reference.
-      state: uint32[B, LANES], the chain state ``S(hit)`` (zeros when ``hit == 0``), from which
-        :func:`flatkv_jax.prefix.keys.extend_sums` continues when later blocks are published.
+      state: uint32[B, CHAIN_WORDS], the chain state at ``hit`` (zeros when ``hit == 0``),
+        from which :func:`flatkv_jax.prefix.keys.extend_chain` continues when later blocks
+        are published.
     """
 
     hit: jax.Array
@@ -207,6 +208,8 @@ def match_prompts(
     lengths: jax.Array,
     namespace,
     valid: jax.Array | None = None,
+    *,
+    seed,
 ) -> PrefixMatch:
     """Matches a batch of prompts against the per-group indexes (read-only; jit with ``layout`` static).
 
@@ -217,6 +220,7 @@ def match_prompts(
       lengths: int32[B] prompt lengths.
       namespace: uint32[2] or uint32[B, 2] (or an int / pair).
       valid: optional bool[B]; invalid rows get ``hit == 0``.
+      seed: the secret key seed the index's keys were made with (``state.key_seed``).
 
     Returns:
       :class:`PrefixMatch`. Nothing is mutated: the caller takes references (refcount +1,
@@ -256,10 +260,10 @@ def match_prompts(
         )
     if valid is not None:
         lengths = jnp.where(valid, lengths, 0)
-    sums = keys_lib.chain_sums(tokens, lengths, namespace, unit=layout.unit)
+    hashed = keys_lib.chain_lanes(tokens, lengths, namespace, seed=seed, unit=layout.unit)
 
     def look(idx, ends):
-        keys, ok = keys_lib.keys_at(sums, layout.unit, lengths, namespace, ends.reshape(-1))
+        keys, ok = keys_lib.keys_at(hashed.lanes, layout.unit, lengths, namespace, ends.reshape(-1))
         return index_lib.lookup(idx, keys, ok).reshape(bsz, *ends.shape)
 
     hist, win, rows = [], [], []
@@ -303,9 +307,6 @@ def match_prompts(
         )
         page = jnp.broadcast_to(page, (bsz, gm.slots))
         out.append(jnp.where(slot >= n_hit, -1, jnp.where(j >= 0, page, 0)))
-    j = hit // layout.unit - 1
-    state = jnp.take_along_axis(
-        sums, jnp.clip(j, 0, max(sums.shape[1] - 1, 0))[:, None, None], axis=1
-    )[:, 0, :]
+    state = keys_lib.chain_state(hashed, hit)
     state = jnp.where((hit > 0)[:, None], state, jnp.uint32(0))
     return PrefixMatch(hit=hit, pages=tuple(out), state=state)

@@ -17,6 +17,9 @@ from flatkv_jax.prefix import keys as keys_lib
 from flatkv_jax.recipes import deepseek_v4_groups, tiny_v4
 
 _block_keys = jax.jit(keys_lib.block_keys, static_argnames="block_tokens")
+
+#: The key seed of every index the prefix tests build (the coordinator draws a secret one).
+SEED = 7
 _insert = jax.jit(index_lib.insert)
 
 
@@ -48,7 +51,7 @@ def publish(plan, indexes, tokens, length, namespace, blocks, next_page):
         got = {}
         if chosen:
             keys, valid = _block_keys(
-                jnp.asarray(padded), lengths, namespace, block_tokens=g.block_tokens
+                jnp.asarray(padded), lengths, namespace, seed=SEED, block_tokens=g.block_tokens
             )
             n = keys.shape[1]
             assert bool(np.all(np.asarray(valid)[0, chosen]))

@@ -21,7 +21,7 @@ remove = jax.jit(I.remove)
 def _keys(n, seed=0, ns=0):
     """n distinct keys (blocks of one random prompt, 1 token per block)."""
     t = np.random.default_rng(seed).integers(0, 1 << 30, (1, n)).astype(np.int32)
-    k, _ = K.block_keys(jnp.asarray(t), jnp.array([n], jnp.int32), ns, block_tokens=1)
+    k, _ = K.block_keys(jnp.asarray(t), jnp.array([n], jnp.int32), ns, seed=0, block_tokens=1)
     return k[0]
 
 

@@ -1,7 +1,12 @@
-"""Chained block keys: prefix identity, chaining, namespaces, padding, incremental hashing."""
+"""Chained block keys: prefix identity, the secret seed, the non-linear chain, namespaces,
+padding, incremental hashing."""
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
+import additive_collision
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,9 +17,10 @@ from prefix_cases import examples
 
 from flatkv_jax.prefix import keys as K
 
+SEED = 11
 block_keys = jax.jit(K.block_keys, static_argnames="block_tokens")
-chain_sums = jax.jit(K.chain_sums, static_argnames="unit")
-extend_sums = jax.jit(K.extend_sums)
+chain_lanes = jax.jit(K.chain_lanes, static_argnames="unit")
+extend_chain = jax.jit(K.extend_chain)
 
 
 def _tok(rows):
@@ -25,7 +31,9 @@ def test_key_layout_and_same_prefix_same_keys(rng):
     base = rng.integers(0, 50_000, 64)
     other = base.copy()
     other[40] += 1  # block 5 of 8-token blocks
-    keys, valid = block_keys(_tok([base, other]), jnp.array([64, 64], jnp.int32), 7, block_tokens=8)
+    keys, valid = block_keys(
+        _tok([base, other]), jnp.array([64, 64], jnp.int32), 7, seed=SEED, block_tokens=8
+    )
     keys, valid = np.asarray(keys), np.asarray(valid)
     assert keys.shape == (2, 8, K.KEY_WORDS) and keys.dtype == np.uint32 and valid.all()
     np.testing.assert_array_equal(keys[0, :5], keys[1, :5])
@@ -38,7 +46,7 @@ def test_key_layout_and_same_prefix_same_keys(rng):
 
 @settings(max_examples=examples(25), deadline=None)
 @given(
-    st.lists(st.integers(0, 2**31 - 1), min_size=4, max_size=48),
+    st.lists(st.integers(0, 2**31 - 1), min_size=4, max_size=300),
     st.data(),
 )
 def test_change_at_i_changes_keys_from_i_only(tokens, data):
@@ -47,87 +55,158 @@ def test_change_at_i_changes_keys_from_i_only(tokens, data):
     new = data.draw(st.integers(0, 2**31 - 1).filter(lambda v: v != tokens[pos]))
     other = list(tokens)
     other[pos] = new
-    pad = 48
+    pad = 300
     a = np.zeros((2, pad), np.int32)
     a[0, :n], a[1, :n] = tokens, other
-    keys, valid = block_keys(jnp.asarray(a), jnp.array([n, n], jnp.int32), 0, block_tokens=4)
+    keys, valid = block_keys(
+        jnp.asarray(a), jnp.array([n, n], jnp.int32), 0, seed=SEED, block_tokens=4
+    )
     keys, valid = np.asarray(keys), np.asarray(valid)
     nb = n // 4
     assert valid[:, :nb].all() and not valid[:, nb:].any()
     first = pos // 4
     np.testing.assert_array_equal(keys[0, : min(first, nb)], keys[1, : min(first, nb)])
-    # A single substituted token never collides: each term is a bijection of the token id.
     for i in range(first, nb):
         assert (keys[0, i, : K.LANES] != keys[1, i, : K.LANES]).all()
+
+
+def test_seed_makes_keys_secret():
+    """Two states (seeds) give unrelated keys for the same prompt; the same seed gives the
+    same keys; the seed forms agree; a drawn seed is fresh every time."""
+    t = _tok(np.random.default_rng(0).integers(0, 1000, (1, 256)))
+    n = jnp.array([256], jnp.int32)
+    ka = np.asarray(block_keys(t, n, 0, seed=1, block_tokens=4)[0])
+    kb = np.asarray(block_keys(t, n, 0, seed=2, block_tokens=4)[0])
+    assert (ka[..., : K.LANES] != kb[..., : K.LANES]).all()  # every lane of every key
+    np.testing.assert_array_equal(ka[..., K.LANES :], kb[..., K.LANES :])  # ns, end verbatim
+    words = jnp.asarray(K.seed_words(2**96 + 5))
+    np.testing.assert_array_equal(K.seed_words(2**96 + 5), [5, 0, 0, 1])
+    kc = np.asarray(block_keys(t, n, 0, seed=words, block_tokens=4)[0])
+    kd = np.asarray(block_keys(t, n, 0, seed=np.array([5, 0, 0, 1], np.uint32), block_tokens=4)[0])
+    np.testing.assert_array_equal(kc, kd)
+    assert (kc[..., : K.LANES] != ka[..., : K.LANES]).all()
+    drawn = {K.new_seed().tobytes() for _ in range(8)}
+    assert len(drawn) == 8 and all(len(x) == 4 * K.SEED_WORDS for x in drawn)
+
+
+def test_chain_is_non_linear():
+    """The additive scheme's identity ``S(P1) - S(P2) == S(P1') - S(P2')`` for prompts that
+    differ only in their first block breaks: the chain step mixes the previous block's key
+    non-linearly, so the difference made in block 0 does not carry over to later keys."""
+    rng = np.random.default_rng(1)
+    c = K.CHAIN_TOKENS
+    x, y = rng.integers(0, 1000, (2, c))
+    z1, z2 = rng.integers(0, 1000, (2, c))
+    rows = [
+        np.concatenate([x, z1]),
+        np.concatenate([y, z1]),
+        np.concatenate([x, z2]),
+        np.concatenate([y, z2]),
+    ]
+    ph = chain_lanes(_tok(rows), jnp.full((4,), 2 * c, jnp.int32), 0, seed=SEED, unit=c)
+    lanes = np.asarray(ph.lanes)[:, 1]  # the key of the whole 2-block prefix
+    d1 = lanes[0] - lanes[1]
+    d2 = lanes[2] - lanes[3]
+    assert (d1 != d2).all()
+    # One flipped token bit in block 0 flips about half of the 128 bits of the block-1 key.
+    flips = []
+    for i in range(16):
+        v = x.copy()
+        v[i * 8] ^= 1
+        ph2 = chain_lanes(
+            _tok([np.concatenate([v, z1])]), jnp.array([2 * c], jnp.int32), 0, seed=SEED, unit=c
+        )
+        diff = np.asarray(ph2.lanes)[0, 1] ^ lanes[0]
+        flips.append(np.unpackbits(diff.view(np.uint8)).mean())
+    assert 0.4 < np.mean(flips) < 0.6
 
 
 def test_namespace_isolates(rng):
     toks = _tok(np.broadcast_to(rng.integers(0, 1000, 32), (4, 32)))
     ns = jnp.asarray(np.array([[0, 0], [1, 0], [0, 1], [2**32 - 1, 5]], np.uint32))
-    keys, _ = block_keys(toks, jnp.full((4,), 32, jnp.int32), ns, block_tokens=8)
+    keys, _ = block_keys(toks, jnp.full((4,), 32, jnp.int32), ns, seed=SEED, block_tokens=8)
     keys = np.asarray(keys)
     for i in range(4):
         for j in range(i + 1, 4):
             assert (keys[i, :, : K.LANES] != keys[j, :, : K.LANES]).all()
     np.testing.assert_array_equal(keys[3, 0, K.NS_WORD : K.NS_WORD + 2], [2**32 - 1, 5])
+    one = jnp.array([32], jnp.int32)
+    kw = dict(seed=SEED, block_tokens=8)
     # Int and pair forms are the same namespace.
-    a, _ = K.block_keys(toks[:1], jnp.array([32], jnp.int32), (3 << 32) | 9, block_tokens=8)
-    b, _ = K.block_keys(toks[:1], jnp.array([32], jnp.int32), (9, 3), block_tokens=8)
+    a, _ = K.block_keys(toks[:1], one, (3 << 32) | 9, **kw)
+    b, _ = K.block_keys(toks[:1], one, (9, 3), **kw)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # A traced int32 scalar is the low word.
-    c, _ = block_keys(toks[:1], jnp.array([32], jnp.int32), jnp.int32(9), block_tokens=8)
-    d, _ = K.block_keys(toks[:1], jnp.array([32], jnp.int32), (9, 0), block_tokens=8)
+    c, _ = block_keys(toks[:1], one, jnp.int32(9), **kw)
+    d, _ = K.block_keys(toks[:1], one, (9, 0), **kw)
     np.testing.assert_array_equal(np.asarray(c), np.asarray(d))
 
 
 def test_padding_beyond_length_ignored(rng):
-    t = rng.integers(0, 1000, (3, 40)).astype(np.int32)
-    lengths = jnp.array([40, 21, 3], jnp.int32)
+    t = rng.integers(0, 1000, (3, 300)).astype(np.int32)
+    lengths = jnp.array([300, 141, 3], jnp.int32)
     t2 = t.copy()
-    for r, n in enumerate([40, 21, 3]):
-        t2[r, n:] = rng.integers(-5, 10**6, 40 - n)
-    k1, v1 = block_keys(jnp.asarray(t), lengths, 0, block_tokens=4)
-    k2, v2 = block_keys(jnp.asarray(t2), lengths, 0, block_tokens=4)
+    for r, n in enumerate([300, 141, 3]):
+        t2[r, n:] = rng.integers(-5, 10**6, 300 - n)
+    kb = functools.partial(block_keys, seed=SEED, block_tokens=4)
+    k1, v1 = kb(jnp.asarray(t), lengths, 0)
+    k2, v2 = kb(jnp.asarray(t2), lengths, 0)
     v1 = np.asarray(v1)
     np.testing.assert_array_equal(v1, np.asarray(v2))
-    np.testing.assert_array_equal(v1.sum(1), [10, 5, 0])
+    np.testing.assert_array_equal(v1.sum(1), [75, 35, 0])
     np.testing.assert_array_equal(np.asarray(k1)[v1], np.asarray(k2)[v1])
-    # Batched == one prompt at a time.
+    # Batched == one prompt at a time (at a narrower width, too).
     for r in range(3):
-        kr, _ = block_keys(jnp.asarray(t[r : r + 1]), lengths[r : r + 1], 0, block_tokens=4)
-        np.testing.assert_array_equal(np.asarray(kr)[0][v1[r]], np.asarray(k1)[r][v1[r]])
+        kr, _ = kb(jnp.asarray(t[r : r + 1, :160]), lengths[r : r + 1], 0)
+        m = v1[r][:40]
+        np.testing.assert_array_equal(np.asarray(kr)[0][m], np.asarray(k1)[r][:40][m])
 
 
 def test_units_agree_and_incremental_extension_matches_bulk(rng):
-    t = rng.integers(0, 1 << 20, (2, 64)).astype(np.int32)
-    lengths = jnp.array([64, 50], jnp.int32)
+    n = 3 * K.CHAIN_TOKENS + 40
+    t = rng.integers(0, 1 << 20, (2, n)).astype(np.int32)
+    lengths = jnp.array([n, 301], jnp.int32)
     ns = jnp.asarray(np.array([[5, 6], [7, 8]], np.uint32))
-    sums4 = chain_sums(jnp.asarray(t), lengths, ns, unit=4)
-    ends = jnp.array([16, 32, 48, 64], jnp.int32)
-    ka, va = K.keys_at(sums4, 4, lengths, ns, ends)
-    kb, vb = block_keys(jnp.asarray(t), lengths, ns, block_tokens=16)
-    np.testing.assert_array_equal(np.asarray(va), np.asarray(vb))
-    np.testing.assert_array_equal(np.asarray(ka), np.asarray(kb))
-    # Extending a chain state chunk by chunk (unaligned chunks) gives the bulk states.
-    state = jnp.zeros((2, K.LANES), jnp.uint32)
+    ph4 = chain_lanes(jnp.asarray(t), lengths, ns, seed=SEED, unit=4)
+    ends = jnp.array([16, 128, 256, 400], jnp.int32)
+    ka, va = K.keys_at(ph4.lanes, 4, lengths, ns, ends)
+    kb, vb = block_keys(jnp.asarray(t), lengths, ns, seed=SEED, block_tokens=16)
+    np.testing.assert_array_equal(np.asarray(va), np.asarray(vb)[:, ends // 16 - 1])
+    np.testing.assert_array_equal(np.asarray(ka), np.asarray(kb)[:, ends // 16 - 1])
+    # A 256-token unit (wider than a chain block) agrees with the 4-token unit.
+    ph256 = chain_lanes(jnp.asarray(t), lengths, ns, seed=SEED, unit=256)
+    np.testing.assert_array_equal(np.asarray(ph256.lanes)[:, 0], np.asarray(ph4.lanes)[:, 63])
+    # Extending a chain state chunk by chunk (unaligned chunks crossing chain blocks, an empty
+    # one) gives the bulk lanes at every end and the bulk chain states.
+    state = jnp.zeros((2, K.CHAIN_WORDS), jnp.uint32)
     start = 0
-    for chunk in (5, 11, 16, 1, 31):
-        count = jnp.array([chunk, max(0, min(chunk, 50 - start))], jnp.int32)
-        run = extend_sums(
+    lanes4 = np.asarray(ph4.lanes)
+    for chunk in (5, 11, 16, 1, 131, 0, 200, 60):
+        # Two widths (two compilations): one decode token, and 256 columns with `count` real.
+        width = 1 if chunk == 1 else 256
+        count = np.array([min(chunk, n - start), max(0, min(chunk, 301 - start))], np.int32)
+        toks = np.zeros((2, width), np.int32)
+        toks[:, : min(width, n - start)] = t[:, start : start + width]
+        lanes, state = extend_chain(
             state,
-            jnp.asarray(t[:, start : start + chunk]),
+            jnp.asarray(toks),
             jnp.full((2,), start, jnp.int32),
-            count,
+            jnp.asarray(count),
             ns,
+            seed=SEED,
         )
-        state = run[:, -1]
+        lanes = np.asarray(lanes)
+        for r in range(2):
+            for i in range(count[r]):
+                e = start + i + 1
+                if e % 4 == 0:
+                    np.testing.assert_array_equal(lanes[r, i], lanes4[r, e // 4 - 1])
+            e = start + int(count[r])
+            if e % 4 == 0:
+                want = K.chain_state(ph4, jnp.full((2,), e, jnp.int32))
+                np.testing.assert_array_equal(np.asarray(state)[r], np.asarray(want)[r])
         start += chunk
-        if start % 4 == 0:
-            np.testing.assert_array_equal(
-                np.asarray(state)[0], np.asarray(sums4)[0, start // 4 - 1]
-            )
-    full1 = chain_sums(jnp.asarray(t[1:, :50]), jnp.array([50], jnp.int32), ns[1], unit=50)
-    np.testing.assert_array_equal(np.asarray(state)[1], np.asarray(full1)[0, 0])
+    assert start == n
 
 
 def test_no_collisions_among_many_keys():
@@ -136,7 +215,9 @@ def test_no_collisions_among_many_keys():
     rng = np.random.default_rng(1)
     t = rng.integers(0, 8, (256, 512)).astype(np.int32)  # tiny vocabulary: many near-duplicates
     t[:, :8] = 3
-    keys, _ = block_keys(jnp.asarray(t), jnp.full((256,), 512, jnp.int32), 0, block_tokens=1)
+    keys, _ = block_keys(
+        jnp.asarray(t), jnp.full((256,), 512, jnp.int32), 0, seed=SEED, block_tokens=1
+    )
     keys = np.asarray(keys).reshape(-1, K.KEY_WORDS)
     prefixes = {}
     for r in range(256):
@@ -154,21 +235,79 @@ def test_errors():
         K.namespace_words((1, 2**32))
     with pytest.raises(TypeError, match="a namespace is an int or a pair of uint32 words"):
         K.namespace_words("tenant")
+    with pytest.raises(
+        ValueError, match=r"seed=-1 is invalid: a seed int must lie in \[0, 2\*\*128\)"
+    ):
+        K.seed_words(-1)
+    with pytest.raises(ValueError, match=r"a seed array holds 4 uint32 words"):
+        K.seed_words([1, 2, 3])
+    with pytest.raises(ValueError, match=r"seed words lie in \[0, 2\*\*32\)"):
+        K.seed_words([1, 2, 3, 2**32])
+    with pytest.raises(TypeError, match="a seed is an int or uint32\\[4\\] words"):
+        K.seed_words("secret")
     t = jnp.zeros((2, 8), jnp.int32)
     n = jnp.array([8, 8], jnp.int32)
+    with pytest.raises(TypeError, match=r"the key seed is uint32\[4\]"):
+        K.block_keys(t, n, 0, seed=jnp.zeros((4,), jnp.int32), block_tokens=4)
+    with pytest.raises(ValueError, match=r"the key seed is uint32\[4\]"):
+        K.block_keys(t, n, 0, seed=jnp.zeros((2,), jnp.uint32), block_tokens=4)
+    kb = functools.partial(K.block_keys, seed=0)
     with pytest.raises(TypeError, match="token ids are int32"):
-        K.block_keys(t.astype(jnp.float32), n, 0, block_tokens=4)
+        kb(t.astype(jnp.float32), n, 0, block_tokens=4)
     with pytest.raises(ValueError, match=r"token ids are a \[B, L\] batch"):
-        K.block_keys(t[0], n, 0, block_tokens=4)
+        kb(t[0], n, 0, block_tokens=4)
     with pytest.raises(ValueError, match="one int32 per prompt"):
-        K.block_keys(t, n[:1], 0, block_tokens=4)
+        kb(t, n[:1], 0, block_tokens=4)
     with pytest.raises(TypeError, match="namespace words are uint32"):
-        K.block_keys(t, n, jnp.zeros((2,), jnp.float32), block_tokens=4)
+        kb(t, n, jnp.zeros((2,), jnp.float32), block_tokens=4)
     with pytest.raises(TypeError, match="namespace words are uint32"):
-        K.block_keys(t, n, jnp.zeros((2, 2), jnp.int32), block_tokens=4)
+        kb(t, n, jnp.zeros((2, 2), jnp.int32), block_tokens=4)
     with pytest.raises(ValueError, match=r"one namespace \(2,\) or one per prompt \(2, 2\)"):
-        K.block_keys(t, n, jnp.zeros((3, 2), jnp.uint32), block_tokens=4)
+        kb(t, n, jnp.zeros((3, 2), jnp.uint32), block_tokens=4)
     with pytest.raises(ValueError, match="block_tokens=0 is invalid: it must be positive"):
-        K.block_keys(t, n, 0, block_tokens=0)
-    with pytest.raises(ValueError, match=r"the chain state is uint32\[B, 4\]"):
-        K.extend_sums(jnp.zeros((2, 2), jnp.uint32), t, n, n, 0)
+        kb(t, n, 0, block_tokens=0)
+    with pytest.raises(ValueError, match=r"the chain state is uint32\[B, 8\]"):
+        K.extend_chain(jnp.zeros((2, 4), jnp.uint32), t, n, n, 0, seed=0)
+
+
+def _check_old_collision_is_gone(a, b):
+    assert (a != b).all() and a.shape == b.shape == (additive_collision.POSITIONS,)
+    np.testing.assert_array_equal(additive_collision.old_lanes(a), additive_collision.old_lanes(b))
+    n = len(a)
+    toks, lengths = _tok([a, b]), jnp.array([n, n], jnp.int32)
+    for seed in (0, SEED):
+        keys, valid = block_keys(toks, lengths, 0, seed=seed, block_tokens=n)
+        keys = np.asarray(keys)
+        assert np.asarray(valid).all() and (keys[0, 0, : K.LANES] != keys[1, 0, : K.LANES]).all()
+
+
+def test_prompts_crafted_to_collide_under_the_additive_keys_do_not_collide():
+    """A pair crafted with Wagner's algorithm against the old public additive keys
+    (``additive_collision.craft_collision``, stored): equal old keys, different seeded keys."""
+    a, b = np.load(Path(__file__).parent / "data" / "additive_collision.npy")
+    _check_old_collision_is_gone(a, b)
+
+
+@pytest.mark.slow
+def test_crafting_a_collision_against_the_additive_keys():
+    """Crafts the pair from scratch (~10-40 s) and checks it as above."""
+    a, b = additive_collision.craft_collision(seed=1)
+    _check_old_collision_is_gone(a, b)
+
+
+def test_create_state_draws_a_secret_seed_unless_given(monkeypatch):
+    from prefix_cases import tiny_plan
+
+    from flatkv_jax.coordinator import create_state
+
+    monkeypatch.undo()  # the suite's conftest fixes the drawn seed; check the real draw
+    plan = tiny_plan(pages=40, max_context=64)
+    seeds = {np.asarray(create_state(plan).key_seed).tobytes() for _ in range(3)}
+    assert len(seeds) == 3  # 128 fresh bits each time
+    a, b = create_state(plan, seed=5), create_state(plan, seed=5)
+    np.testing.assert_array_equal(np.asarray(a.key_seed), K.seed_words(5))
+    np.testing.assert_array_equal(np.asarray(a.key_seed), np.asarray(b.key_seed))
+    with pytest.raises(
+        ValueError, match=r"seed=-3 is invalid: a seed int must lie in \[0, 2\*\*128\)"
+    ):
+        create_state(plan, seed=-3)

@@ -31,7 +31,7 @@ def _full_index(num_pages):
     n = num_pages - 2
     t = jnp.asarray(np.arange(n, dtype=np.int32)[None, :])
     k, _ = jax.jit(K.block_keys, static_argnames="block_tokens")(
-        t, jnp.array([n], jnp.int32), 0, block_tokens=1
+        t, jnp.array([n], jnp.int32), 0, seed=0, block_tokens=1
     )
     idx, taken = jax.jit(I.insert)(
         I.create_index(num_pages), k[0], jnp.arange(1, n + 1, dtype=jnp.int32), None

@@ -3,13 +3,15 @@ last prompt token, the tiny V4 plan, V4 geometry at 128 tokens, and compile-once
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from prefix_cases import examples, publish, ref_match, ref_rows, tiny_plan
+from prefix_cases import SEED, examples, publish, ref_match, ref_rows, tiny_plan
 
 from flatkv_jax import ServingLimits, plan_with_pages
 from flatkv_jax.prefix import index as I
@@ -22,7 +24,7 @@ from flatkv_jax.recipes import (
     v4_flash,
 )
 
-match = jax.jit(match_prompts, static_argnums=0)
+match = jax.jit(functools.partial(match_prompts, seed=SEED), static_argnums=0)
 L = 96  # prompt axis of the tiny tests: 6 granules of 16
 
 
@@ -127,9 +129,7 @@ def test_granularity_alignment_and_last_token():
     assert m.hit.tolist() == [0]
     layout = MatchLayout.for_plan(plan, L)
     toks = jnp.asarray(np.stack([p, p]))
-    m = jax.jit(match_prompts, static_argnums=0)(
-        layout, idx, toks, jnp.array([96, 96], jnp.int32), 0, jnp.array([True, False])
-    )
+    m = match(layout, idx, toks, jnp.array([96, 96], jnp.int32), 0, jnp.array([True, False]))
     assert m.hit.tolist() == [80, 0]
     assert all(np.asarray(r)[1].tolist() == [-1] * r.shape[1] for r in m.pages)
 
@@ -139,9 +139,15 @@ def test_state_at_hit_continues_the_chain():
     p = np.random.default_rng(3).integers(0, 1000, 96).astype(np.int32)
     idx, _, _ = _setup(plan, _all_blocks(plan, 96), p)
     m, _ = _query(plan, idx, [p, p[:10]], [96, 10])
-    full = K.chain_sums(jnp.asarray(p[None]), jnp.array([96], jnp.int32), 0, unit=16)
-    np.testing.assert_array_equal(np.asarray(m.state)[0], np.asarray(full)[0, 80 // 16 - 1])
+    assert m.hit.tolist() == [80, 0]
     np.testing.assert_array_equal(np.asarray(m.state)[1], 0)
+    # Continuing the hit's chain state over the rest of the prompt gives the bulk lanes.
+    rest = jnp.asarray(p[None, 80:])
+    lanes, _ = K.extend_chain(
+        m.state[:1], rest, jnp.array([80], jnp.int32), jnp.array([16], jnp.int32), 0, seed=SEED
+    )
+    full = K.chain_lanes(jnp.asarray(p[None]), jnp.array([96], jnp.int32), 0, seed=SEED, unit=16)
+    np.testing.assert_array_equal(np.asarray(lanes)[0, -1], np.asarray(full.lanes)[0, -1])
 
 
 @settings(max_examples=examples(20), deadline=None)
@@ -224,7 +230,7 @@ def test_compiles_once():
 
     def f(idx, toks, lens):
         traces.append(1)
-        return match_prompts(layout, idx, toks, lens, 0)
+        return match_prompts(layout, idx, toks, lens, 0, seed=SEED)
 
     jf = jax.jit(f)
     rng = np.random.default_rng(6)
@@ -268,10 +274,18 @@ def test_errors():
     layout = MatchLayout.for_plan(plan, L)
     idx = I.create_indexes(plan)
     with pytest.raises(ValueError, match=r"the layout serves \[B, 96\] prompts"):
-        match_prompts(layout, idx, jnp.zeros((1, 64), jnp.int32), jnp.array([3], jnp.int32), 0)
+        match_prompts(
+            layout, idx, jnp.zeros((1, 64), jnp.int32), jnp.array([3], jnp.int32), 0, seed=SEED
+        )
     with pytest.raises(ValueError, match=r"one index per group \(7\)"):
-        match_prompts(layout, idx[:2], jnp.zeros((1, 96), jnp.int32), jnp.array([3], jnp.int32), 0)
+        match_prompts(
+            layout, idx[:2], jnp.zeros((1, 96), jnp.int32), jnp.array([3], jnp.int32), 0, seed=SEED
+        )
     with pytest.raises(ValueError, match="one int32 per prompt"):
-        match_prompts(layout, idx, jnp.zeros((1, 96), jnp.int32), jnp.array([3, 4], jnp.int32), 0)
+        match_prompts(
+            layout, idx, jnp.zeros((1, 96), jnp.int32), jnp.array([3, 4], jnp.int32), 0, seed=SEED
+        )
     with pytest.raises(TypeError, match="it must be a MatchLayout"):
-        match_prompts(plan, idx, jnp.zeros((1, 96), jnp.int32), jnp.array([3], jnp.int32), 0)
+        match_prompts(
+            plan, idx, jnp.zeros((1, 96), jnp.int32), jnp.array([3], jnp.int32), 0, seed=SEED
+        )

@@ -1,0 +1,385 @@
+"""Side by side with vLLM's KV cache manager: our coordinator on the peer's own trace.
+
+``../shared/peers/vllm_kv_bench.py`` (the peer harness; its README defines the trace) drives
+vLLM 0.34.0's unmodified ``KVCacheManager``. This script drives the flatkv_jax coordinator —
+DeepSeek-V4-Flash groups (no MTP, no speculation, as the peer's ``dsv4`` config), prefix reuse
+on, our own keyed hashing included — with **exactly** that trace and scheduling rule, and
+prints the same columns:
+
+- ``decode``: µs per request-step of the decode loop: one jitted call per step (extend one
+  token with its id, retire it — publishing the blocks it completes, hashing included —, and
+  reclaim the window pages behind), divided by the requests decoding; median over steps.
+- ``admit``: µs per admitted request **including hashing**: one jitted call admits a batch
+  (match the prompts against the index, allocate) and retires the prefill (publishing the
+  prompt's blocks); the call's time divided by the requests it admitted, median over
+  admissions. Compare with the peer's ``admit + hash_admit``.
+- ``hit``: prefix hit tokens / prompt tokens over admissions.
+- ``peak``: per pool, the most pages held by requests (cached-only pages count as free, as
+  in vLLM's usage metric) / usable pages.
+
+The trace (``make_trace``) is read from the peer script's source (``--peer``), so both use
+the same function; the FCFS rule is the peer's: every running request decodes one token,
+then prompts are admitted whole while fewer than ``B`` run and the prompt fits what is left
+of the step's token budget (a hit's tokens are not charged), then finished requests are
+freed. Within one step vLLM lets a request hit blocks that an earlier admission of the same
+step computes; our coordinator shares only published blocks, so one admission call never
+holds two prompts with the same first granule (the next call sees the first one's blocks).
+
+The first call of every compiled shape is not timed (compilation). Run both in one go (see
+docs/benchmarks.md, "Versus vLLM")::
+
+    bash ../shared/peers/setup_vllm_peer.sh /tmp/vllmpeer
+    /tmp/vllmpeer/bin/python ../shared/peers/vllm_kv_bench.py --configs dsv4 --batches 256
+    python benchmarks/vs_vllm.py --batches 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import math
+import os
+import pathlib
+import platform
+import random
+import statistics
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import numpy as np
+
+from flatkv_jax import ServingLimits, plan_with_pages
+from flatkv_jax.coordinator import (
+    AdmitBatch,
+    ExtendBatch,
+    HandleBatch,
+    ReleaseBatch,
+    ReleaseMode,
+    RetireBatch,
+    create_state,
+    host,
+    ops,
+)
+from flatkv_jax.recipes import deepseek_v4_groups, v4_flash
+from flatkv_jax.status import Status
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DEFAULT_PEER = ROOT.parent / "shared" / "peers" / "vllm_kv_bench.py"
+
+
+def load_make_trace(peer: pathlib.Path):
+    """``make_trace`` and ``VOCAB`` from the peer script's source, without importing it (it
+    imports vLLM at module level)."""
+    tree = ast.parse(peer.read_text())
+    keep = [
+        node
+        for node in tree.body
+        if (isinstance(node, ast.FunctionDef) and node.name == "make_trace")
+        or (
+            isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "VOCAB" for t in node.targets)
+        )
+    ]
+    if len(keep) != 2:
+        raise SystemExit(f"{peer}: make_trace or VOCAB not found; pass --peer")
+    ns = {"random": random}
+    exec(compile(ast.Module(body=keep, type_ignores=[]), str(peer), "exec"), ns)
+    return ns["make_trace"], ns["VOCAB"]
+
+
+GRANULARITY = {256: {}, 128: {"c4_rows": 32, "c128_rows": 1}}
+
+
+def groups(granularity: int = 256):
+    """V4-Flash as the peer's dsv4 config has it: no MTP layer, no speculative decoding.
+    ``granularity`` 128 halves the compressed pages (``c4_rows=32, c128_rows=1``)."""
+    cfg = v4_flash(num_mtp_layers=0, **GRANULARITY[granularity])
+    return deepseek_v4_groups(cfg, verify_width=0)
+
+
+def pool_pages(gs, batch: int, max_len: int, budget: int, factor: float) -> dict[str, int]:
+    """Per pool, the peer's sizing rule applied per group: ``factor * (B * steady + 2 *
+    transient)`` (steady: a decoding request's pages; transient: one step's prefill)."""
+    out = {}
+    for g in gs:
+        bt = g.block_tokens
+        steady = -(-g.window // bt) + 2 if g.is_window else -(-max_len // bt)
+        transient = -(-budget // bt) + 1
+        out[g.name] = math.ceil(factor * (batch * steady + 2 * transient))
+    return out
+
+
+class Run:
+    """One pass of the trace through the coordinator."""
+
+    def __init__(self, args, batch: int, trace, seed: int):
+        self.args, self.b = args, batch
+        max_len = args.prompt_max + args.decode_len * 2
+        gs = groups(args.granularity)
+        self.budget = args.max_num_batched_tokens
+        limits = ServingLimits(
+            max_requests=batch,
+            max_context=max_len,
+            chunk_tokens=args.prompt_max,
+            verify_width=0,
+            step_tokens=self.budget + batch,
+        )
+        pages = pool_pages(gs, batch, max_len, self.budget, args.pool_factor)
+        self.plan = plan = plan_with_pages(gs, limits, pages)
+        self.state = create_state(plan, seed=seed)
+        self.trace = trace
+        self.rows = args.admit_rows
+        self.gran = plan.prefix_granularity
+
+        def decode(state, eb, rb, hb):
+            state, er = ops.extend_fn(plan, state, eb, max_count=1)
+            state, rr = ops.retire_fn(plan, state, rb, max_count=1)
+            state, _ = ops.reclaim_fn(plan, state, hb)
+            return state, (er.status, rr.status)
+
+        def admit(state, ab):
+            state, res = ops.admit_fn(plan, state, ab)
+            ok = res.status == Status.OK
+            rb = RetireBatch(ok & (res.count > 0), res.slot, res.generation, res.count)
+            state, _ = ops.retire_fn(plan, state, rb)
+            state, _ = ops.reclaim_fn(plan, state, HandleBatch(ok, res.slot, res.generation))
+            return state, (res.status, res.slot, res.generation, res.hit)
+
+        def release(state, relb):
+            return ops.release_fn(plan, state, relb)
+
+        self.decode = jax.jit(decode, donate_argnums=0)
+        self.admit = jax.jit(admit, donate_argnums=0)
+        self.release = jax.jit(release, donate_argnums=0)
+        self.seen: set = set()
+
+    def _timed(self, key, fn, *a):
+        t = time.perf_counter()
+        self.state, out = fn(self.state, *a)
+        out = jax.device_get(out)
+        dt = time.perf_counter() - t
+        first = key not in self.seen
+        self.seen.add(key)
+        return out, (None if first else dt)
+
+    def in_use(self) -> np.ndarray:
+        """Pages held by requests per pool (cached-only pages count as free)."""
+        top = np.asarray(self.state.allocator.top)
+        cached = np.array([int(lr.count) for lr in self.state.lrus])
+        usable = np.array([self.plan.usable_pages(g) for g in self.plan.groups])
+        return usable - top - cached
+
+    def run(self) -> dict:
+        b, vocab_tok = self.b, self._token
+        pending = list(self.trace)
+        running: dict[int, list] = {}  # rid -> [slot, gen, next position, outputs, dlen]
+        dec_us, adm_us, free_us = [], [], []
+        hits = prompt_tokens = 0
+        peak = np.zeros(len(self.plan.groups), np.int64)
+        steps = 0
+        i32 = np.int32
+        while pending or running:
+            steps += 1
+            budget = self.budget
+            # 1) every running request decodes one token (its previous output).
+            if running:
+                rids = list(running)
+                v = np.zeros(b, bool)
+                v[: len(rids)] = True
+                slot = np.zeros(b, i32)
+                gen = np.zeros(b, i32)
+                tok = np.zeros((b, 1), i32)
+                for j, rid in enumerate(rids):
+                    r = running[rid]
+                    slot[j], gen[j] = r[0], r[1]
+                    tok[j, 0] = vocab_tok(rid, r[3] - 1)
+                ones = np.ones(b, i32)
+                eb = ExtendBatch(v, slot, gen, ones, tok)
+                rb = RetireBatch(v, slot, gen, ones)
+                hb = HandleBatch(v, slot, gen)
+                (est, rst), dt = self._timed("decode", self.decode, eb, rb, hb)
+                if (est[: len(rids)] != Status.OK).any() or (rst[: len(rids)] != Status.OK).any():
+                    raise SystemExit(
+                        f"decode step {steps}: statuses {set(est[: len(rids)].tolist())}: "
+                        "pools too small for this trace; raise --pool-factor"
+                    )
+                if dt is not None:
+                    dec_us.append(dt / len(rids) * 1e6)
+                for rid in rids:
+                    running[rid][2] += 1
+                    running[rid][3] += 1
+                budget -= len(rids)
+            # 2) admissions, FCFS, whole prompts, within the step's token budget.
+            while len(running) < b and pending:
+                cands, rem, firsts = [], budget, set()
+                for rid_s, prompt, dlen in pending:
+                    if len(running) + len(cands) >= min(b, len(running) + self.rows):
+                        break
+                    if len(prompt) > rem:
+                        break
+                    first = tuple(prompt[: self.gran])
+                    if first in firsts:
+                        break  # shares its first granule with an earlier row: next call
+                    firsts.add(first)
+                    cands.append((rid_s, prompt, dlen))
+                    rem -= len(prompt)
+                if not cands:
+                    break
+                longest = max(len(p) for _, p, _ in cands)
+                width = host.token_width(self.plan, longest)
+                toks = np.zeros((self.rows, width), i32)
+                pl = np.zeros(self.rows, i32)
+                v = np.zeros(self.rows, bool)
+                for j, (_, p, _) in enumerate(cands):
+                    toks[j, : len(p)] = p
+                    pl[j] = len(p)
+                    v[j] = True
+                ab = AdmitBatch(v, pl, pl.copy(), toks, np.zeros(self.rows, i32))
+                (st, slot, gen, hit), dt = self._timed(("admit", width), self.admit, ab)
+                n_ok = 0
+                for j, (rid_s, p, dlen) in enumerate(cands):
+                    if st[j] != Status.OK:
+                        break
+                    n_ok += 1
+                    rid = int(rid_s[4:])
+                    running[rid] = [int(slot[j]), int(gen[j]), len(p), 1, dlen]
+                    hits += int(hit[j])
+                    prompt_tokens += len(p)
+                    budget -= len(p) - int(hit[j])
+                if dt is not None and n_ok:
+                    adm_us.extend([dt / n_ok * 1e6] * n_ok)
+                pending = pending[n_ok:]
+                if n_ok < len(cands):
+                    if not running:
+                        raise SystemExit(f"admission impossible: {Status(int(st[n_ok])).name}")
+                    break
+            peak = np.maximum(peak, self.in_use())
+            # 3) finished requests (their last output was sampled this step) are freed.
+            done = [rid for rid, r in running.items() if r[3] >= r[4]]
+            if done:
+                v = np.zeros(b, bool)
+                v[: len(done)] = True
+                slot = np.zeros(b, i32)
+                gen = np.zeros(b, i32)
+                for j, rid in enumerate(done):
+                    slot[j], gen[j] = running.pop(rid)[:2]
+                mode = np.full(b, int(ReleaseMode.FINISH), i32)
+                res, dt = self._timed("release", self.release, ReleaseBatch(v, slot, gen, mode))
+                if (np.asarray(res.status)[: len(done)] != Status.OK).any():
+                    raise SystemExit("release failed")
+                if dt is not None:
+                    free_us.append(dt / len(done) * 1e6)
+        usable = [self.plan.usable_pages(g) for g in self.plan.groups]
+        return {
+            "decode_us": statistics.median(dec_us) if dec_us else float("nan"),
+            "admit_us": statistics.median(adm_us) if adm_us else float("nan"),
+            "free_us": statistics.median(free_us) if free_us else float("nan"),
+            "hit_rate": hits / max(1, prompt_tokens),
+            "peak": [int(x) for x in peak],
+            "usable": usable,
+            "steps": steps,
+            "admissions": len(adm_us),
+        }
+
+    @staticmethod
+    def _token(rid: int, k: int) -> int:
+        """The peer's output token ``k`` of request ``rid`` (``req-<rid>``)."""
+        return (rid * 104729 + 7919 * k) % 150_000
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="256", help="comma-separated B values (peer: --batches)")
+    ap.add_argument("--requests-per-batch", type=float, default=4.0)
+    ap.add_argument("--decode-len", type=int, default=128)
+    ap.add_argument("--prompt-min", type=int, default=1024)
+    ap.add_argument("--prompt-max", type=int, default=4096)
+    ap.add_argument("--num-system-prompts", type=int, default=8)
+    ap.add_argument("--system-prompt-len", type=int, default=1024)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--pool-factor", type=float, default=1.25)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0, help="trace seed (as the peer's)")
+    ap.add_argument("--key-seed", type=int, default=None, help="prefix key seed (default: secret)")
+    ap.add_argument("--admit-rows", type=int, default=16, help="rows of one admission call")
+    ap.add_argument(
+        "--granularity", type=int, default=256, choices=sorted(GRANULARITY), help="hit granularity"
+    )
+    ap.add_argument("--peer", type=pathlib.Path, default=DEFAULT_PEER)
+    ap.add_argument("--vllm", type=pathlib.Path, default=None, help="peer --json output: ratios")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    make_trace, vocab = load_make_trace(args.peer)
+    assert vocab == 150_000, vocab
+    print(
+        json.dumps(
+            {"nproc": os.cpu_count(), "python": platform.python_version(), "jax": jax.__version__}
+        )
+    )
+    peer = {}
+    if args.vllm:
+        for r in json.loads(args.vllm.read_text())["results"]:
+            if r["config"] == "dsv4":
+                peer[r["batch"]] = r
+    results = []
+    for batch in [int(x) for x in args.batches.split(",")]:
+        n = math.ceil(args.requests_per_batch * batch)
+        trace = make_trace(
+            n,
+            args.seed,
+            args.num_system_prompts,
+            args.system_prompt_len,
+            args.prompt_min,
+            args.prompt_max,
+            args.decode_len,
+        )
+        runs = []
+        for _ in range(args.repeats):
+            key = (
+                args.key_seed
+                if args.key_seed is not None
+                else int.from_bytes(os.urandom(16), "little")
+            )
+            runs.append(Run(args, batch, trace, key).run())
+        agg = dict(runs[0])
+        for k in ("decode_us", "admit_us", "free_us"):
+            agg[k] = statistics.median(r[k] for r in runs)
+        agg.update(batch=batch, requests=n)
+        results.append(agg)
+        peak = " ".join(
+            f"{g.name}={p}/{u}"
+            for g, p, u in zip(groups(args.granularity), agg["peak"], agg["usable"], strict=True)
+        )
+        print(
+            f"flatkv B={batch:4d} N={n:5d} groups={len(agg['peak'])} "
+            f"decode={agg['decode_us']:7.2f}us admit(+hash)={agg['admit_us']:8.1f}us "
+            f"free={agg['free_us']:7.1f}us hit={agg['hit_rate'] * 100:5.1f}% "
+            f"steps={agg['steps']} peak {peak}",
+            flush=True,
+        )
+        if batch in peer:
+            p = peer[batch]
+            v_dec = p["decode_us"] + p["hash_dec_us"]
+            v_adm = p["admit_us"] + p["hash_admit_us"]
+            print(
+                f"vllm   B={batch:4d} decode+hash={v_dec:7.2f}us admit+hash={v_adm:8.1f}us "
+                f"hit={p['hit_rate'] * 100:5.1f}% peak={p['peak_blocks']}/{p['num_blocks']}\n"
+                f"ratio  vllm/flatkv: decode {v_dec / agg['decode_us']:.1f}x, "
+                f"admission {v_adm / agg['admit_us']:.1f}x; hit {agg['hit_rate'] * 100:.1f}% vs "
+                f"{p['hit_rate'] * 100:.1f}%",
+                flush=True,
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"args": {k: str(v) for k, v in vars(args).items()}, "results": results},
+                f,
+                indent=1,
+            )
+
+
+if __name__ == "__main__":
+    main()
