@@ -214,9 +214,7 @@ def build_step(graphdef, plan: CachePlan, kind: StepKind):
             max_count=mc,
         )
         retired = inflight & (ret.status == Status.OK) & ~ret.released
-        state, rec = reclaim_fn(
-            plan, state, HandleBatch(retired, lanes.slot, lanes.generation)
-        )
+        state, rec = reclaim_fn(plan, state, HandleBatch(retired, lanes.slot, lanes.generation))
         freed = _scatter(r, rl, rv & (rel.status == Status.OK), jnp.ones((r,), bool), False)
         freed = freed | (inflight & ret.released)
         slot = jnp.where(freed, -1, lanes.slot)
@@ -381,8 +379,9 @@ def build_step(graphdef, plan: CachePlan, kind: StepKind):
             "count": by_lane(cnt),
             "decode": by_lane(is_dec, False),
             "proposed": by_lane(proposed),
-            "accepted": by_lane(jnp.minimum(a, emitted) * (proposed > 0)),
+            "accepted": by_lane(jnp.where(proposed > 0, jnp.minimum(a, emitted), 0)),
             "extend_status": _scatter(r, order, order >= 0, er.status, Status.IDLE),
+            "extend_count": _scatter(r, order, ev, ecount, 0),
             "admit_status": adm_status,
             "hit": adm_hit,
             "retire_status": jnp.where(inflight, ret.status, Status.IDLE),

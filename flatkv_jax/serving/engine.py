@@ -56,6 +56,8 @@ class EngineOptions:
       fifo_depth: in-flight steps per request the coordinator state allows (>= 2).
       record_ops: keep :attr:`Engine.op_log`, the coordinator operations in the order they ran.
       keep_logits: keep, per request, the logits each generated token was sampled from.
+      split_steps: compile a second step kind without the admission code for the steps that
+        admit nothing (cheaper per decode step; one more compilation).
     """
 
     impl: str = "reference"
@@ -67,6 +69,7 @@ class EngineOptions:
     fifo_depth: int = 2
     record_ops: bool = False
     keep_logits: bool = False
+    split_steps: bool = True
 
     def __post_init__(self):
         if self.impl not in _IMPLS:
@@ -76,7 +79,9 @@ class EngineOptions:
                 f"it must be one of {sorted(_IMPLS)}",
                 'pass impl="reference" or impl="pallas"',
             )
-        for name in ("overlap", "prefix_cache", "mtp", "record_ops", "keep_logits"):
+        for name in (
+            "overlap", "prefix_cache", "mtp", "record_ops", "keep_logits", "split_steps"
+        ):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 fail(name, getattr(self, name), "it must be a bool", f"pass {name}=True or False",
                      exc=TypeError)  # fmt: skip
@@ -219,6 +224,7 @@ class _Dispatched:
     index: int
     lanes: dict[int, int]  # lane -> rid of lanes with an allowance
     admits: dict[int, int]  # lane -> rid admitted
+    admit_first: dict[int, int]  # lane -> first chunk asked for
     releases: list[tuple[int, int, ReleaseMode]]  # (lane, rid, mode)
     retire_rids: dict[int, int]  # lane -> rid of the step this one retires
     report: dict
@@ -281,8 +287,13 @@ class Engine:
             False: build_step(self.graphdef, plan, base),
             True: build_step(self.graphdef, plan, dataclasses.replace(base, admit=True)),
         }
-        self._used: set[bool] = set()
         self._cache0 = {a: f._cache_size() for a, f in self._fns.items()}
+        r = plan.limits.max_requests
+        none = jnp.full((r,), -1, jnp.int32)
+        zeros = jnp.zeros((r,), jnp.int32)
+        self._no_admits = AdmitInputs(
+            none, zeros, zeros, zeros, zeros, jnp.zeros((r, plan.limits.max_context), jnp.int32)
+        )
         kw = {"prefix": options.prefix_cache}
         if options.prefix_seed is not None and "seed" in inspect.signature(create_state).parameters:
             kw["seed"] = options.prefix_seed
@@ -312,16 +323,16 @@ class Engine:
         self.records: list[StepRecord] = []
 
     # --- requests ---------------------------------------------------------------------------
-    def submit(
-        self, prompt_tokens: Sequence[int], max_new_tokens: int, namespace: int = 0
-    ) -> int:
+    def submit(self, prompt_tokens: Sequence[int], max_new_tokens: int, namespace: int = 0) -> int:
         """Queues a request; returns its id.
 
         Raises:
           TypeError: a prompt that is not a sequence of ints, a non-int count or namespace.
           ValueError: an empty prompt, a token outside the vocabulary, ``max_new_tokens < 1``,
-            or a request that can never fit: ``prompt + max_new_tokens > max_context``, or more
-            pages in some group than its pool holds (the message names the limit to raise).
+            or a request that can never fit: ``prompt + max_new_tokens > max_context`` (the
+            message names the limit to raise). Pages need no check of their own: a
+            ``CachePlan`` refuses pools smaller than one ``max_context`` request, so a request
+            within ``max_context`` always fits once the others are preempted.
         """
         if isinstance(prompt_tokens, str | bytes) or not isinstance(prompt_tokens, Sequence):
             fail("prompt_tokens", type(prompt_tokens).__name__, "it must be a sequence of ints",
@@ -356,17 +367,6 @@ class Engine:
                 f"ServingLimits.max_context = {lim.max_context}",
                 "raise ServingLimits.max_context (a new plan) or shorten the request",
             )
-        for g in self.plan.groups:
-            need = self._pages_needed(g, total)
-            if need > self.plan.usable_pages(g):
-                fail(
-                    "prompt_tokens",
-                    f"{total} tokens",
-                    f"a request of {total} tokens needs {need} pages of group {g.name!r} but "
-                    f"its pool holds {self.plan.usable_pages(g)} usable pages",
-                    "raise the plan's pages (plan_with_pages(..., pages) or a larger HBM "
-                    "budget) or shorten the request",
-                )
         rid = self._arrivals
         self._arrivals += 1
         out = RequestOutput(request_id=rid, prompt=tuple(prompt))
@@ -375,14 +375,6 @@ class Engine:
         self.outputs[rid] = out
         self._waiting.append(rid)
         return rid
-
-    def _pages_needed(self, g, total: int) -> int:
-        """Most pages of group ``g`` a request of ``total`` tokens holds at once."""
-        span = total + self.plan.limits.verify_width
-        need = g.blocks_for_tokens(span)
-        if g.is_window:
-            need = min(need, g.live_blocks(self.mc) + 1)
-        return need
 
     def abort(self, request_id: int) -> None:
         """Cancels a request at any time: waiting, mid-prefill or mid-decode.
@@ -542,8 +534,10 @@ class Engine:
                 *(jnp.asarray(cols[n]) for n in ("lane", "plen", "first", "rem", "ns")),
                 jnp.asarray(toks),
             )
-        fn = self._fns[with_admit]
-        self._used.add(with_admit)
+        kind = with_admit or not self.options.split_steps
+        if kind and adm is None:
+            adm = self._no_admits
+        fn = self._fns[kind]
         host = time.perf_counter() - t0
         self.pools, self.state, self.lanes, report = fn(
             self.weights, self.pools, self.state, self.lanes, inputs, adm
@@ -553,6 +547,9 @@ class Engine:
             index=index,
             lanes={int(lane): self._lane_rid[int(lane)] for lane in order if lane >= 0},
             admits=adm_lanes,
+            admit_first={
+                lane: int(first) for (q, first), lane in zip(admits, adm_lanes, strict=True)
+            },
             releases=releases,
             retire_rids=self._last_lanes,
             report=report,
@@ -721,7 +718,7 @@ class Engine:
             if rec:
                 log.append(("reclaim", rec))
         ext = tuple(
-            (rid, int(rep["count"][lane]), int(rep["extend_status"][lane]))
+            (rid, int(rep["extend_count"][lane]), int(rep["extend_status"][lane]))
             for lane, rid in d.lanes.items()
             if int(rep["extend_status"][lane]) != Status.IDLE
         )
@@ -731,7 +728,8 @@ class Engine:
         for lane, rid in d.admits.items():
             q = self._requests[rid]
             st = int(rep["admit_status"][lane])
-            first = int(rep["count"][lane]) if st == Status.OK else 0
-            adm.append((rid, q.namespace, q.prompt_len, first, st, int(rep["hit"][lane])))
+            adm.append(
+                (rid, q.namespace, q.prompt_len, d.admit_first[lane], st, int(rep["hit"][lane]))
+            )
         if adm:
             log.append(("admit", tuple(adm)))

@@ -1,0 +1,106 @@
+"""Serving engine throughput on the tiny model: host time vs device time per step, tokens/s.
+
+For each batch size ``B`` (= ``max_requests``) the engine serves ``2 * B`` requests with random
+prompts twice after a warm-up run that compiles its step kinds:
+
+- **sync** (``overlap=False``): every step is waited for, so a step's wall time is host work
+  plus device time; device time per step = wall - host.
+- **overlap** (``overlap=True``): step N+1 is dispatched before step N's results are read;
+  the tokens/s of this run is the engine's throughput.
+
+Run::
+
+    python benchmarks/serving.py                      # B = 8, 32, 128
+    python benchmarks/serving.py --batch 8 --new 16   # one batch size, shorter decode
+    python benchmarks/serving.py --tiny               # smoke settings (seconds)
+
+Prints one row per B: steps, host ms/step, device ms/step (sync), tokens/s (sync, overlap:
+prompt + generated tokens per second), draft acceptance and retractions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import numpy as np
+
+from flatkv_jax import ServingLimits, plan_with_pages
+from flatkv_jax.model import DeepSeekV4, init_params, tiny_model
+from flatkv_jax.recipes.deepseek_v4 import deepseek_v4_groups
+from flatkv_jax.serving import Engine, EngineOptions
+
+
+def make_plan(cfg, batch: int, context: int, chunk: int, verify: int):
+    limits = ServingLimits(
+        max_requests=batch, max_context=context, chunk_tokens=chunk, verify_width=verify
+    )
+    groups = deepseek_v4_groups(cfg.cache, verify_width=verify)
+    probe = plan_with_pages(groups, limits, 8)
+    # Every request can hold its whole context at once: no preemption in the measurement.
+    pages = max(probe.min_usable_pages(g) for g in probe.groups) * batch + 8
+    return plan_with_pages(groups, limits, pages)
+
+
+def serve(model, plan, options, requests):
+    engine = Engine(model, plan, options)
+    for prompt, new in requests:
+        engine.submit(prompt, new)
+    t0 = time.perf_counter()
+    engine.run()
+    wall = time.perf_counter() - t0
+    return engine, wall
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, nargs="*", default=[8, 32, 128])
+    ap.add_argument("--prompt", type=int, default=48, help="prompt tokens per request")
+    ap.add_argument("--new", type=int, default=32, help="generated tokens per request")
+    ap.add_argument("--chunk", type=int, default=32)
+    ap.add_argument("--no-mtp", action="store_true")
+    ap.add_argument("--no-prefix", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help="smoke settings: B=4, short requests")
+    args = ap.parse_args()
+    if args.tiny:
+        args.batch, args.prompt, args.new, args.chunk = [4], 10, 6, 12
+    cfg = tiny_model()
+    verify = 0 if args.no_mtp else 2
+    model = DeepSeekV4.from_params(cfg, init_params(cfg, 0))
+    print(f"# jax {jax.__version__} on {platform.machine()} ({jax.default_backend()}), tiny model")
+    print(f"# prompt {args.prompt}, new {args.new}, chunk {args.chunk}, verify {verify}, "
+          f"prefix cache {not args.no_prefix}")  # fmt: skip
+    print(
+        "| B | steps | host ms/step | device ms/step | tok/s sync | tok/s overlap | accept "
+        "| retracted |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    rng = np.random.default_rng(0)
+    for b in args.batch:
+        plan = make_plan(cfg, b, args.prompt + args.new, args.chunk, verify)
+        requests = [
+            (rng.integers(0, cfg.vocab, args.prompt).tolist(), args.new) for _ in range(2 * b)
+        ]
+        opts = dict(mtp=verify > 0, prefix_cache=not args.no_prefix)
+        serve(model, plan, EngineOptions(overlap=False, **opts), requests[:b])  # warm-up
+        sync, sync_wall = serve(model, plan, EngineOptions(overlap=False, **opts), requests)
+        over, over_wall = serve(model, plan, EngineOptions(overlap=True, **opts), requests)
+        tokens = sum(len(p) + n for p, n in requests)
+        st = sync.stats
+        host = st.host_s / st.steps
+        device = max(0.0, st.wall_s - st.host_s) / st.steps
+        assert over.stats.compilations_after_warmup == 0
+        print(
+            f"| {b} | {st.steps} | {host * 1e3:.2f} | {device * 1e3:.2f} | "
+            f"{tokens / sync_wall:.0f} | {tokens / over_wall:.0f} | "
+            f"{over.stats.accept_rate:.2f} | {over.stats.retractions} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
