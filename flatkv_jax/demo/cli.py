@@ -166,7 +166,7 @@ def demo_command(args: argparse.Namespace) -> int:
         # Reported here, in the demo's own flag terms, before anything compiles.
         print(f"flatkv: error: {e}", file=sys.stderr)
         return 2
-    with _Progress() as progress:
+    with Progress() as progress:
         report, series = run_demo(
             options, prepared=prepared, on_start=progress.start, on_step=progress.step
         )
@@ -185,14 +185,14 @@ def demo_command(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-class _Progress:
+class Progress:
     """A rich progress bar on stderr (so ``--json`` stdout stays one object); silent when
     stderr is not a terminal."""
 
-    def __init__(self):
+    def __init__(self, console=None):
         from rich.console import Console
 
-        self.console = Console(stderr=True)
+        self.console = Console(stderr=True) if console is None else console
         self.bar = None
         self.task = None
         self.tokens = 0

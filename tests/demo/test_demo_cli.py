@@ -196,3 +196,30 @@ def test_plot_without_matplotlib_names_the_extra(capsys, monkeypatch):
     code, out, err = run_cli(capsys, "--plot", "x.png")
     assert code == 2 and out == ""
     assert 'pip install ".[plot]"' in err and "--plot needs matplotlib" in err
+
+
+def test_progress_bar_renders_on_a_terminal():
+    import io
+
+    from rich.console import Console
+
+    from flatkv_jax.demo.cli import Progress
+
+    buf = io.StringIO()
+    console = Console(file=buf, force_terminal=True, width=120)
+
+    class Rec:
+        index, prefill_tokens, decode_tokens = 4, 32, 6
+
+    with Progress(console) as progress:
+        progress.start(12)
+        progress.step(Rec(), 5)
+        progress.bar.refresh()
+    text = buf.getvalue()
+    assert "flatkv demo" in text and "5/12" in text and "5 steps, 38 tokens" in text
+
+    quiet = io.StringIO()  # not a terminal (a pipe, CI): no bar, nothing written
+    with Progress(Console(file=quiet)) as progress:
+        progress.start(12)
+        progress.step(Rec(), 5)
+    assert progress.bar is None and quiet.getvalue() == ""
