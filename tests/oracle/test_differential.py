@@ -234,8 +234,9 @@ def test_long_run_command(capsys):
     ],
 )  # fmt: skip
 def test_long_run_rejects_bad_counts(capsys, argv, message):
+    # A short valid run first: a regression that accepts the bad value ends quickly.
     with pytest.raises(SystemExit) as e:
-        main(argv)
+        main(["--ops", "1", "--trace-ops", "1", *argv])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"python -m flatkv_jax.oracle.long_run: error: {message}"), err
