@@ -41,7 +41,7 @@ def make_plan(cfg, batch: int, context: int, chunk: int, verify: int):
         max_requests=batch, max_context=context, chunk_tokens=chunk, verify_width=verify
     )
     groups = deepseek_v4_groups(cfg.cache, verify_width=verify)
-    probe = plan_with_pages(groups, limits, 8)
+    probe = plan_with_pages(groups, limits, 1 << 14)  # only its geometry is used
     # Every request can hold its whole context at once: no preemption in the measurement.
     pages = max(probe.min_usable_pages(g) for g in probe.groups) * batch + 8
     return plan_with_pages(groups, limits, pages)

@@ -662,7 +662,9 @@ class Engine:
         st.draft_accepted += accepted
         st.occupancy.append(in_use)
         st.host_s += host
-        sizes = {a: f._cache_size() - self._cache0[a] for a, f in self._fns.items()}
+        # Entries this engine added (another engine may have compiled a kind before; a
+        # jax.clear_caches() in between can only lower the count).
+        sizes = {a: max(0, f._cache_size() - self._cache0[a]) for a, f in self._fns.items()}
         st.compilations = sum(sizes.values())
         st.compilations_after_warmup = sum(max(0, n - 1) for n in sizes.values())
         self.records.append(rec)
