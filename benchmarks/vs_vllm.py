@@ -90,12 +90,13 @@ def load_make_trace(peer: pathlib.Path):
     return ns["make_trace"], ns["VOCAB"]
 
 
-GRANULARITY = {256: {}, 128: {"c4_rows": 32, "c128_rows": 1}}
+GRANULARITY = {128: {}, 256: {"c4_rows": 64, "c128_rows": 2}}
 
 
-def groups(granularity: int = 256):
+def groups(granularity: int = 128):
     """V4-Flash as the peer's dsv4 config has it: no MTP layer, no speculative decoding.
-    ``granularity`` 128 halves the compressed pages (``c4_rows=32, c128_rows=1``)."""
+    ``granularity`` 256 doubles the compressed pages (``c4_rows=64, c128_rows=2``: vLLM's
+    256-token blocks); the default is ours (128-token hits)."""
     cfg = v4_flash(num_mtp_layers=0, **GRANULARITY[granularity])
     return deepseek_v4_groups(cfg, verify_width=0)
 
@@ -306,7 +307,7 @@ def main():
     ap.add_argument("--key-seed", type=int, default=None, help="prefix key seed (default: secret)")
     ap.add_argument("--admit-rows", type=int, default=16, help="rows of one admission call")
     ap.add_argument(
-        "--granularity", type=int, default=256, choices=sorted(GRANULARITY), help="hit granularity"
+        "--granularity", type=int, default=128, choices=sorted(GRANULARITY), help="hit granularity"
     )
     ap.add_argument("--peer", type=pathlib.Path, default=DEFAULT_PEER)
     ap.add_argument("--vllm", type=pathlib.Path, default=None, help="peer --json output: ratios")

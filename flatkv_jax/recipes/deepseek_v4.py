@@ -50,7 +50,11 @@ class DeepSeekV4Config:
       kv_format: ``"fp8_ds_mla"``, ``"bf16"`` or ``"fp32"``.
       indexer_format: ``"mxfp4"``, ``"fp8"``, ``"bf16"`` or ``"fp32"``.
       swa_rows, c4_rows, c128_rows, state4_rows, state128_rows: rows per page of each group
-        (``c4_rows`` applies to every CSA ratio, ``c128_rows`` to every other ratio).
+        (``c4_rows`` applies to every CSA ratio, ``c128_rows`` to every other ratio). The
+        defaults make every block span at most 128 tokens (``c4_rows=32`` x 4,
+        ``c128_rows=1`` x 128), so prefix hits come in 128-token steps
+        (``plan.prefix_granularity``); ``c4_rows=64, c128_rows=2`` gives 256-token pages and
+        256-token hits (vLLM's DeepSeek-V4 layout).
     """
 
     compress_ratios: tuple[int, ...]
@@ -64,8 +68,8 @@ class DeepSeekV4Config:
     kv_format: str = "fp8_ds_mla"
     indexer_format: str = "mxfp4"
     swa_rows: int = 64
-    c4_rows: int = 64
-    c128_rows: int = 2
+    c4_rows: int = 32
+    c128_rows: int = 1
     state4_rows: int = 4
     state128_rows: int = 8
 

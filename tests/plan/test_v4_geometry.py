@@ -45,10 +45,10 @@ def test_flash_groups_golden():
     assert got == {
         "swa_kv": (W, 128, 64, 1, 64, 584, 43, T),
         "mtp_swa_kv": (W, 128, 64, 1, 64, 584, 1, D),
-        "c4_kv": (H, None, 64, 4, 256, 584 + 68, 21, T),
+        "c4_kv": (H, None, 32, 4, 128, 584 + 68, 21, T),
         "c4_state": (W, 8, 4, 1, 4, 8192, 21, T),
         "c4_index_state": (W, 8, 4, 1, 4, 2048, 21, T),
-        "c128_kv": (H, None, 2, 128, 256, 584, 20, T),
+        "c128_kv": (H, None, 1, 128, 128, 584, 20, T),
         "c128_state": (W, 136, 8, 1, 8, 4096, 20, T),
     }
     by = {g.name: g for g in groups}
@@ -79,10 +79,10 @@ def test_flash_table_widths():
     assert widths == {
         "swa_kv": 1251,  # ceil(80004 / 64)
         "mtp_swa_kv": 1251,
-        "c4_kv": 313,  # ceil(80004 / 256)
+        "c4_kv": 626,  # ceil(80004 / 128)
         "c4_state": 20001,  # ceil(80004 / 4)
         "c4_index_state": 20001,
-        "c128_kv": 313,
+        "c128_kv": 626,
         "c128_state": 10001,  # ceil(80004 / 8)
     }
     assert plan.table_shape("c4_state") == (64, 20001)
