@@ -69,8 +69,11 @@ def test_deferred_release_and_discarded_steps():
 def test_no_slot_out_of_pages_and_atomicity():
     plan = full_plan(pages=13, max_requests=2)
     d = Driver(plan)
-    res = d.admit_many([(0, rng_tokens(6, 8), 8), (0, rng_tokens(7, 8), 8)])
-    assert res.status[:2].tolist() == [0, 0]
+    # Two chunks of 8 are two steps: one call of both would pass step_tokens = 8 + 3.
+    res = d.admit_many([(0, rng_tokens(6, 8), 8)])
+    assert res.status[:1].tolist() == [0]
+    res = d.admit_many([(0, rng_tokens(7, 8), 8)])
+    assert res.status[:1].tolist() == [0]
     res = d.admit_many([(0, [1], 1)])
     assert Status(int(res.status[0])) is Status.NO_SLOT
     st_before = d.o.counts()
