@@ -230,7 +230,7 @@ class Run:
                 if not cands:
                     break
                 longest = max(len(p) for _, p, _ in cands)
-                width = host.token_width(self.plan, longest)
+                width = self.args.admit_width or host.token_width(self.plan, longest)
                 toks = np.zeros((self.rows, width), i32)
                 pl = np.zeros(self.rows, i32)
                 v = np.zeros(self.rows, bool)
@@ -306,6 +306,13 @@ def main():
     ap.add_argument("--seed", type=int, default=0, help="trace seed (as the peer's)")
     ap.add_argument("--key-seed", type=int, default=None, help="prefix key seed (default: secret)")
     ap.add_argument("--admit-rows", type=int, default=16, help="rows of one admission call")
+    ap.add_argument(
+        "--admit-width",
+        type=int,
+        default=0,
+        help="token width of every admission call (0: a power of two fitting the call's "
+        "longest prompt, one compilation per bucket; --prompt-max: one compilation)",
+    )
     ap.add_argument(
         "--granularity", type=int, default=128, choices=sorted(GRANULARITY), help="hit granularity"
     )
