@@ -275,7 +275,8 @@ def format_report(r: DemoReport) -> str:
         + (f" ({r.aborted} aborted)" if r.aborted else ""),
         f"steps                      {r.steps:,}",
         f"wall time                  {r.wall_s:.1f} s = warm-up {r.warmup_s:.1f} s (compiling "
-        f"{r.compilations} step functions) + serving {r.serve_s:.1f} s; checks {r.check_s:.1f} s",
+        f"{r.compilations} step function{'' if r.compilations == 1 else 's'}) + serving "
+        f"{r.serve_s:.1f} s; checks {r.check_s:.1f} s",
         f"prefill                    {r.prefill_tokens:,} tokens, {r.prefill_tokens_per_s:,.0f} "
         "tokens/s of serving time",
         f"decode                     {r.decode_tokens:,} tokens, {r.decode_tokens_per_s:,.0f} "

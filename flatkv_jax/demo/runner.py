@@ -391,23 +391,22 @@ def run_demo(
         on_start(workload.requests)
     t0 = time.perf_counter()
     model = DeepSeekV4(cfg, rngs=nnx.Rngs(options.seed))
-    engine_options = dict(
-        impl=options.impl,
-        overlap=options.overlap,
-        prefix_cache=options.prefix_cache,
-        mtp=options.mtp,
-        record_ops=True,
-        keep_logits=True,
+    engine = Engine(
+        model,
+        plan,
+        EngineOptions(
+            impl=options.impl,
+            overlap=options.overlap,
+            prefix_cache=options.prefix_cache,
+            mtp=options.mtp,
+            record_ops=True,
+            keep_logits=True,
+            # One step kind, one compilation: on 2 CPU cores compiling a step function costs
+            # about a minute and serving a step ~30 ms; two kinds (admit / no admit) save
+            # ~8 ms a step, far less than the second compilation over a few hundred steps.
+            split_steps=False,
+        ),
     )
-    if "split_steps" in {f.name for f in dataclasses.fields(EngineOptions)}:
-        # One step kind, one compilation: on 2 CPU cores compiling a step function costs
-        # about a minute, serving a step ~30 ms; the split (admit / no admit) kinds save
-        # ~8 ms a step, far less than the second compilation over the demo's few hundred.
-        engine_options["split_steps"] = False
-    engine = Engine(model, plan, EngineOptions(**engine_options))
-    warmup = getattr(engine, "warmup", None)
-    if callable(warmup):
-        warmup()
     setup_s = time.perf_counter() - t0
     driver = WorkloadDriver(workload, engine)
     with CompileClock() as compiling:
