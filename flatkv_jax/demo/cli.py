@@ -75,7 +75,7 @@ def add_demo_parser(subparsers) -> argparse.ArgumentParser:
         "--requests",
         type=_positive_int("--requests"),
         default=40,
-        help="requests (turns) in the workload (default 40: about a minute on 2 CPU cores)",
+        help="requests (turns) in the workload (default 40; serving them takes seconds, compiling the step function about a minute on 2 CPU cores)",
     )
     p.add_argument(
         "--seed",
