@@ -70,6 +70,9 @@ class Sleeping:
       specs: per pool array (leaf order), its shape, dtype and sharding.
       host: :attr:`SleepMode.OFFLOAD`: per pool array, its contents as a NumPy array;
         :attr:`SleepMode.DISCARD`: ``None``.
+      committed: per pool array, whether it was committed to its device (placed explicitly).
+        :func:`wake` restores the same: ``jax.jit`` caches by committed-ness, so pools woken
+        committed after uncommitted ones would recompile every step function once.
     """
 
     plan: CachePlan
@@ -78,6 +81,7 @@ class Sleeping:
     treedef: Any
     specs: tuple[jax.ShapeDtypeStruct, ...]
     host: tuple[np.ndarray, ...] | None
+    committed: tuple[bool, ...] = ()
 
     @property
     def device_bytes(self) -> int:
@@ -153,6 +157,7 @@ def sleep(plan: CachePlan, state: CacheState, pools: Any, mode: SleepMode | str)
             "sleep between steps after reading their results",
         )
     specs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in leaves)
+    committed = tuple(bool(getattr(a, "_committed", True)) for a in leaves)
     host = None
     if mode is SleepMode.OFFLOAD:
         # A real copy: on the CPU backend np.asarray may alias the device buffer we delete next.
@@ -161,7 +166,7 @@ def sleep(plan: CachePlan, state: CacheState, pools: Any, mode: SleepMode | str)
         jax.block_until_ready(leaves)  # nothing may still be writing the buffers we delete
     for a in leaves:
         a.delete()
-    return Sleeping(plan, state, mode, treedef, specs, host)
+    return Sleeping(plan, state, mode, treedef, specs, host, committed)
 
 
 def wake(sleeping: Sleeping) -> Woken:
@@ -195,12 +200,15 @@ def wake(sleeping: Sleeping) -> Woken:
         )
     if sleeping.mode is SleepMode.OFFLOAD:
         leaves = [
-            jax.device_put(h, s.sharding)
-            for h, s in zip(sleeping.host, sleeping.specs, strict=True)
+            jax.device_put(h, s.sharding if c else None)
+            for h, s, c in zip(sleeping.host, sleeping.specs, _committed(sleeping), strict=True)
         ]
         state, retracted = sleeping.state, ()
     else:
-        leaves = [_zeros(s.shape, s.dtype, s.sharding)() for s in sleeping.specs]
+        leaves = [
+            _zeros(s.shape, s.dtype, s.sharding if c else None)()
+            for s, c in zip(sleeping.specs, _committed(sleeping), strict=True)
+        ]
         state, was_live, old_gen = repair(sleeping.plan, sleeping.state)
         live, gen = np.asarray(was_live), np.asarray(old_gen)
         retracted = tuple((int(s), int(gen[s])) for s in np.flatnonzero(live))
@@ -308,7 +316,14 @@ def _check_pools(plan: CachePlan, pools: object, leaves: list) -> None:
             )
 
 
+def _committed(sleeping: Sleeping) -> tuple[bool, ...]:
+    return sleeping.committed or (True,) * len(sleeping.specs)
+
+
 @functools.lru_cache(maxsize=256)
 def _zeros(shape: tuple[int, ...], dtype, sharding):
-    # Created directly on device with its sharding (no host staging), compiled once per shape.
+    # Created directly on device with its sharding (no host staging), compiled once per shape;
+    # sharding None: an uncommitted array on the default device, like create_pools makes.
+    if sharding is None:
+        return jax.jit(lambda: jnp.zeros(shape, dtype))
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)

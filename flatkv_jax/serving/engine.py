@@ -20,12 +20,16 @@ from flax import nnx
 
 from flatkv_jax.coordinator.batches import ReleaseMode
 from flatkv_jax.coordinator.ops import resolve_max_count
+from flatkv_jax.coordinator.sleep import Sleeping, SleepMode, in_flight_slots
+from flatkv_jax.coordinator.sleep import sleep as sleep_cache
+from flatkv_jax.coordinator.sleep import wake as wake_cache
 from flatkv_jax.coordinator.state import CacheState, create_state
 from flatkv_jax.errors import fail
 from flatkv_jax.plan import CachePlan, check_plan
 from flatkv_jax.pools import Pools, create_pools
 from flatkv_jax.serving.device import (
     AdmitInputs,
+    Lanes,
     StepInputs,
     StepKind,
     build_step,
@@ -299,7 +303,8 @@ class Engine:
             kw["seed"] = options.prefix_seed
         self.state: CacheState = create_state(plan, options.fifo_depth, **kw)
         self.pools: Pools = create_pools(plan)
-        self.lanes = create_lanes(plan, self.cfg.hidden)
+        self.lanes: Lanes = create_lanes(plan, self.cfg.hidden)
+        self._sleeping: Sleeping | None = None
         r = lim.max_requests
         self._free_lanes = list(range(r))
         self._lane_rid: dict[int, int] = {}
@@ -421,6 +426,8 @@ class Engine:
         results of a dispatched one (with overlap, the previous step's, so the host never
         waits between steps). Returns that step's :class:`StepRecord` or None."""
         t0 = time.perf_counter()
+        if self._sleeping is not None:
+            self._refuse_asleep("step")
         if not self.has_work():
             return None
         dispatched = None
@@ -486,7 +493,9 @@ class Engine:
             admits.append((q, first))
         return running, allow, admits, admit_pages
 
-    def _dispatch(self) -> _Dispatched:
+    def _dispatch(self, drain: bool = False) -> _Dispatched:
+        """Dispatches one step; ``drain``: schedules nothing (no allowance, no admission),
+        so the step only releases, retires and reclaims."""
         t0 = time.perf_counter()
         lim = self.plan.limits
         r = lim.max_requests
@@ -497,7 +506,11 @@ class Engine:
             self._requests[rid].releasing = False
             self._free_lanes.append(lane)
         self._free_lanes.sort()
-        running, allow, admits, admit_pages = self._schedule()
+        if drain:
+            running, allow, admits = [], {}, []
+            admit_pages = np.zeros_like(self._supply)
+        else:
+            running, allow, admits, admit_pages = self._schedule()
         index = self._steps
         self._steps += 1
         a = np.zeros(r, np.int32)
@@ -669,6 +682,124 @@ class Engine:
         st.compilations_after_warmup = sum(max(0, n - 1) for n in sizes.values())
         self.records.append(rec)
         return rec
+
+    # --- sleep / wake -----------------------------------------------------------------------
+    @property
+    def asleep(self) -> bool:
+        """Whether the engine is between :meth:`sleep` and :meth:`wake`."""
+        return self._sleeping is not None
+
+    def sleep(self, mode: SleepMode | str = SleepMode.OFFLOAD) -> Sleeping:
+        """Releases the pools' device memory (target and draft pools); :meth:`wake` gets it back.
+
+        First drains the pipeline: one step that schedules nothing (no allowance, no
+        admission; the same compiled step) retires every step in flight, and every
+        dispatched step's results are read. Then the coordinator's
+        :func:`~flatkv_jax.coordinator.sleep` takes the state and the pools: their device
+        buffers are deleted. While asleep :attr:`state` and :attr:`pools` are ``None``,
+        :meth:`step` and :meth:`run` raise, and :meth:`submit` and :meth:`abort` still work
+        (host-only: requests queue and are scheduled after :meth:`wake`).
+
+        Args:
+          mode: :attr:`SleepMode.OFFLOAD` (``"offload"``, the default): a host copy, the run
+            continues exactly after :meth:`wake`. :attr:`SleepMode.DISCARD` (``"discard"``):
+            the contents are dropped; at :meth:`wake` every running request is requeued and
+            recomputes.
+
+        Returns:
+          The coordinator's :class:`~flatkv_jax.coordinator.Sleeping` value (for its
+          ``device_bytes`` / ``host_bytes``); the engine keeps it, pass nothing back.
+
+        Raises:
+          ValueError: the engine is asleep already; an unknown mode.
+          TypeError: a mode that is neither a :class:`SleepMode` nor a string.
+        """
+        if self._sleeping is not None:
+            fail(
+                "engine",
+                f"asleep ({self._sleeping.mode.value})",
+                "an engine sleeps once until it is woken (its pools are released already)",
+                "call engine.wake() first",
+            )
+        if not isinstance(mode, SleepMode | str):
+            fail("mode", type(mode).__name__, "it must be a SleepMode or 'offload'/'discard'",
+                 "pass SleepMode.OFFLOAD or SleepMode.DISCARD", exc=TypeError)  # fmt: skip
+        if isinstance(mode, str):
+            if mode not in {m.value for m in SleepMode}:
+                fail("mode", mode, "it must be 'offload' or 'discard'",
+                     "pass SleepMode.OFFLOAD or SleepMode.DISCARD")  # fmt: skip
+            mode = SleepMode(mode)
+        # The coordinator refuses steps in flight: the engine always has one (overlap, and a
+        # step is retired by the next call), so retire them with a step that adds nothing.
+        if self._inflight or in_flight_slots(self.state):
+            self._dispatch(drain=True)
+        while self._inflight:
+            self._read(self._inflight.pop(0))
+        self._sleeping = sleep_cache(self.plan, self.state, self.pools, mode)
+        self.state = self.pools = None
+        return self._sleeping
+
+    def wake(self) -> tuple[int, ...]:
+        """Gets the pools back after :meth:`sleep`; returns the ids of the requeued requests.
+
+        After :attr:`SleepMode.OFFLOAD` the state and pools are restored bit for bit and the
+        run continues as if never interrupted (returns ``()``). After
+        :attr:`SleepMode.DISCARD` the pools are zeroed and the coordinator is repaired (no
+        request live, prefix index and LRUs empty: no hit can be served from the lost
+        contents); every request that was running is requeued in arrival order with its
+        prompt plus the tokens generated so far as its new prompt (a retraction: its
+        ``retractions`` count grows), and the per-lane device state is reset. Greedy outputs
+        are the same as without the sleep.
+
+        Raises:
+          ValueError: the engine is awake.
+        """
+        if self._sleeping is None:
+            fail(
+                "engine",
+                "awake",
+                "wake() undoes a sleep(), and the engine is not asleep",
+                "call engine.sleep(mode) first (or drop this wake call)",
+            )
+        woken = wake_cache(self._sleeping)
+        mode, self._sleeping = self._sleeping.mode, None
+        self.state, self.pools = woken.state, woken.pools
+        if mode is not SleepMode.DISCARD:
+            return ()
+        if len(woken.retracted) != len(self._lane_rid):
+            raise RuntimeError(
+                f"wake: the coordinator retracted {len(woken.retracted)} requests but "
+                f"{len(self._lane_rid)} lanes are running: an engine bug"
+            )
+        pending = {lane: m for lane, _, m in self._releases}
+        requeued = []
+        for lane, rid in sorted(self._lane_rid.items()):
+            q = self._requests[rid]
+            q.lane, q.releasing, q.pending, q.extent = None, False, {}, 0
+            if q.out.finished or q.out.aborted:
+                continue  # its release (FINISH / ABORT) was pending; the repair did it
+            if pending.get(lane) is not ReleaseMode.RETRACT:  # a preemption counted already
+                q.out.retractions += 1
+                self.stats.retractions += 1
+            if rid not in self._waiting:
+                self._insert_waiting(rid)
+            requeued.append(rid)
+        self._releases = []
+        self._lane_rid = {}
+        self._free_lanes = list(range(self.plan.limits.max_requests))
+        self._last_lanes = {}
+        self._barrier = self._steps
+        self._supply = np.array(self.stats.usable_pages)
+        self.lanes = create_lanes(self.plan, self.cfg.hidden)
+        return tuple(sorted(requeued, key=lambda rid: self._requests[rid].arrival))
+
+    def _refuse_asleep(self, what: str) -> None:
+        fail(
+            "engine",
+            f"asleep ({self._sleeping.mode.value})",
+            f"{what}() needs the pools, which sleep() released",
+            f"call engine.wake() before engine.{what}()",
+        )
 
     def _insert_waiting(self, rid: int) -> None:
         arrival = self._requests[rid].arrival
