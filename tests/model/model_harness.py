@@ -247,7 +247,9 @@ class Engine:
             et = np.zeros((r, mc), np.int32)
             for i, (rid, n) in enumerate(ext):
                 start = self.n(rid)
-                et[i, :n] = self.seq[rid][start : start + n]
+                # A verify block's drafts are not known yet: verify() fills them in.
+                known = self.seq[rid][start : start + n]
+                et[i, : len(known)] = known
             at = np.zeros((r, self.plan.limits.max_context), np.int32)
             for i, (rid, _) in enumerate(adm):
                 at[i, : len(self.seq[rid])] = self.seq[rid]
@@ -301,7 +303,10 @@ class Engine:
             self.logits[rid][p] = logits[t]
             self.hidden[rid][p] = hidden[t]
             if self.publish:
-                self.by_prefix[tuple(self.seq[rid][: p + 1])] = hidden[t]
+                # A verify block's drafts join seq only after the step: take them from token_of.
+                key = self.seq[rid][: p + 1]
+                key = key + [token_of(int(trow[t]), rid, q) for q in range(len(key), p + 1)]
+                self.by_prefix[tuple(key)] = hidden[t]
             if draft is not None:
                 self.draft[rid][p] = draft[t]
 
@@ -366,6 +371,17 @@ class Engine:
                 n = int(row_start[i])
                 self.proposed[rid][n] = prop_logits[i, 0]
                 block[rid] = (n, [self.seq[rid][n], *drafts[i].tolist()])
+        if self.publish:
+            # The extend recorded the block's tokens before the drafts existed: put the drafts
+            # into the in-flight step's token record, so retire publishes the verified tokens.
+            ft = np.array(self.state.fifo_tokens)
+            head, flen = np.asarray(self.state.fifo_head), np.asarray(self.state.fifo_len)
+            for i, rid in enumerate(rows):
+                if rid is not None:
+                    slot = int(row_slot[i])
+                    tail = (head[slot] + flen[slot] - 1) % ft.shape[1]
+                    ft[slot, tail, 1 : 1 + self.k] = drafts[i]
+            self.state = dataclasses.replace(self.state, fifo_tokens=jnp.asarray(ft))
         self._step(md, rows, lambda i, rid, p: block[rid][1][p - block[rid][0]])
         accepted = {}
         for rid, (_, toks) in block.items():
