@@ -342,20 +342,7 @@ def check_draft_inputs(
 ) -> None:
     """Raises ValueError/TypeError for ``propose`` inputs that do not fit ``cfg`` and ``plan``."""
     check_plan(cfg, plan)
-    if not cfg.has_mtp:
-        fail(
-            "cfg",
-            "num_mtp_layers=0",
-            "propose needs the MTP draft layer",
-            "use a config with num_mtp_layers=1",
-        )
-    if not isinstance(num_draft, int) or isinstance(num_draft, bool) or num_draft < 1:
-        fail(
-            "num_draft",
-            num_draft,
-            "it must be an int >= 1",
-            "pass e.g. num_draft=plan.limits.verify_width",
-        )
+    check_draft_config(cfg, num_draft)
     check_pools(plan, pools)
     if not isinstance(batch, DraftBatch):
         fail(
@@ -433,3 +420,34 @@ def check_metadata(
 
 def _shape_dtype(a) -> object:
     return (tuple(a.shape), str(a.dtype)) if hasattr(a, "shape") else type(a).__name__
+
+
+def check_draft_config(cfg: ModelConfig, num_draft: object) -> None:
+    """Raises unless ``cfg`` has the MTP draft layer and ``num_draft`` is an int >= 1."""
+    if not cfg.has_mtp:
+        fail(
+            "cfg",
+            "num_mtp_layers=0",
+            "propose needs the MTP draft layer",
+            "use a config with num_mtp_layers=1",
+        )
+    if not isinstance(num_draft, int) or isinstance(num_draft, bool) or num_draft < 1:
+        fail(
+            "num_draft",
+            num_draft,
+            "it must be an int >= 1",
+            "pass e.g. num_draft=plan.limits.verify_width",
+        )
+
+
+def check_token_ids(tokens) -> jax.Array:
+    """Returns ``tokens`` as an array; raises unless it is one int32 sequence."""
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim != 1 or tokens.dtype != jnp.int32:
+        fail(
+            "tokens",
+            (tokens.shape, str(tokens.dtype)),
+            "one sequence of int32 token ids",
+            "pass jnp.asarray(ids, jnp.int32)",
+        )
+    return tokens

@@ -20,12 +20,12 @@ import jax
 
 from flatkv_jax.coordinator.metadata import StepMetadata
 from flatkv_jax.coordinator.ops import resolve_max_count
-from flatkv_jax.errors import fail
 from flatkv_jax.model.cache_io import (
     DraftBatch,
     DraftOutput,
     StepBatch,
     StepOutput,
+    check_draft_config,
     check_metadata,
     check_plan,
     check_pools,
@@ -102,20 +102,7 @@ def propose(
     """:meth:`DeepSeekV4.propose <flatkv_jax.model.DeepSeekV4.propose>` of the model holding
     ``params`` (``num_draft`` required here)."""
     check_plan(cfg, plan)
-    if not cfg.has_mtp:
-        fail(
-            "cfg",
-            "num_mtp_layers=0",
-            "propose needs the MTP draft layer",
-            "use a config with num_mtp_layers=1",
-        )
-    if not isinstance(num_draft, int) or isinstance(num_draft, bool) or num_draft < 1:
-        fail(
-            "num_draft",
-            num_draft,
-            "it must be an int >= 1",
-            "pass e.g. num_draft=plan.limits.verify_width",
-        )
+    check_draft_config(cfg, num_draft)
     model = DeepSeekV4.from_params(cfg, params)
     return model.propose(
         pools,

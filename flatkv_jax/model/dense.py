@@ -10,9 +10,8 @@ addressing.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
-from flatkv_jax.errors import fail
+from flatkv_jax.model.cache_io import check_token_ids
 from flatkv_jax.model.config import ModelConfig
 from flatkv_jax.model.modules import DeepSeekV4
 from flatkv_jax.model.params import Params
@@ -31,12 +30,5 @@ def dense_forward(params: Params, tokens: jax.Array, cfg: ModelConfig):
       :meth:`DeepSeekV4.dense <flatkv_jax.model.DeepSeekV4.dense>` (which it calls, sharing its
       compilation cache: one compilation per (cfg, T)).
     """
-    tokens = jnp.asarray(tokens)
-    if tokens.ndim != 1 or tokens.dtype != jnp.int32:
-        fail(
-            "tokens",
-            (tokens.shape, str(tokens.dtype)),
-            "one sequence of int32 token ids",
-            "pass jnp.asarray(ids, jnp.int32)",
-        )
+    tokens = check_token_ids(tokens)
     return DeepSeekV4.from_params(cfg, params).dense(tokens)

@@ -40,6 +40,7 @@ from flatkv_jax.model.cache_io import (
     StepOutput,
     check_draft_inputs,
     check_step_inputs,
+    check_token_ids,
     columns,
     resolve_kernels,
 )
@@ -519,14 +520,7 @@ class DeepSeekV4(nnx.Module):
           reads) and the MTP layer's logits at each position ``q`` from ``(hidden[q-1],
           tokens[q])``.
         """
-        tokens = jnp.asarray(tokens)
-        if tokens.ndim != 1 or tokens.dtype != jnp.int32:
-            fail(
-                "tokens",
-                (tokens.shape, str(tokens.dtype)),
-                "one sequence of int32 token ids",
-                "pass jnp.asarray(ids, jnp.int32)",
-            )
+        tokens = check_token_ids(tokens)
         graphdef, weights = nnx.split(self)
         return _dense_jit(graphdef, weights, tokens)
 
