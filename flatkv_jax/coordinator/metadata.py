@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flatkv_jax.coordinator.checks import check_state_for_plan, check_step_results
-from flatkv_jax.coordinator.ops import geometry, resolve_max_count
+from flatkv_jax.coordinator.layout import geometry, resolve_max_count
 from flatkv_jax.coordinator.results import StepResult
 from flatkv_jax.coordinator.segments import segment_rows
 from flatkv_jax.coordinator.state import CacheState

@@ -231,7 +231,8 @@ def repair_fn(plan: CachePlan, state: CacheState) -> tuple[CacheState, jax.Array
       slot, the retracted requests' handles).
     """
     # Imported here: ops imports the prefix machinery; sleep is rarely used.
-    from flatkv_jax.coordinator.ops import _evict, release_fn
+    from flatkv_jax.coordinator.alloc import evict
+    from flatkv_jax.coordinator.ops import release_fn
 
     r = state.max_requests
     was_live, old_gen = state.live, state.generation
@@ -248,7 +249,7 @@ def repair_fn(plan: CachePlan, state: CacheState) -> tuple[CacheState, jax.Array
         # With no table reference left, every indexed page is cached-only: evicting all of
         # them empties the index and the LRU and puts the pages on the free stacks.
         counts = jnp.stack([lr.count for lr in state.lrus])
-        state = _evict(plan, state, counts, max(plan.usable_pages(g) for g in plan.groups))
+        state = evict(plan, state, counts, max(plan.usable_pages(g) for g in plan.groups))
     return state, was_live, old_gen
 
 

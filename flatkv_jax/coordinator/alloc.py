@@ -1,0 +1,236 @@
+"""Allocation: growing requests' tables (with LRU eviction of cached-only pages when a free
+stack runs dry), sweeping table ranges back (decref, free or cache) and freeing requests."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from flatkv_jax.block_pool import (
+    Acquired,
+    acquire,
+    decref,
+    decref_left,
+    evictable_pages,
+    fit,
+)
+from flatkv_jax.coordinator.layout import geometry
+from flatkv_jax.coordinator.publish import final_publish, publish_blocks
+from flatkv_jax.coordinator.rows import ceil_div, replace, set_cols, set_rows
+from flatkv_jax.coordinator.segments import segment_rows
+from flatkv_jax.coordinator.state import CacheState, pool_layout, table_size
+from flatkv_jax.plan import CachePlan
+from flatkv_jax.prefix import index as index_lib
+from flatkv_jax.prefix import lru as lru_lib
+
+_I32 = jnp.int32
+
+
+def grow(
+    plan: CachePlan,
+    state: CacheState,
+    s: jax.Array,
+    want: jax.Array,
+    new_end: jax.Array,
+    k: int,
+    hi: jax.Array | None = None,
+    pinned_cached: jax.Array | None = None,
+) -> tuple[CacheState, jax.Array, Acquired]:
+    """Allocates every block ``[hi, ceil(new_end / B))`` of every group, atomically, in order.
+
+    Supply per pool is free + unpinned cached-only pages; the served rows take the free stack
+    first and only then evict LRU cached-only pages (pages matched by the current admission
+    are pinned in ``state.pinned``). Returns the state with tables and ``hi`` updated for the
+    served rows, the served mask and the :class:`~flatkv_jax.block_pool.Acquired` (pages,
+    shortage).
+
+    Args:
+      hi: ``int32[B, G]`` first slot to allocate (default: the slot's ``hi``; admit passes
+        the hit's ``h / B``).
+      pinned_cached: ``int32[G]`` cached-only pages pinned by this call (default 0).
+    """
+    geo = geometry(plan)
+    layout = pool_layout(plan)
+    n_g = len(plan.groups)
+    hi = state.hi[:, s].T if hi is None else hi  # [B, G]
+    needs = jnp.maximum(0, ceil_div(new_end[:, None], geo.a("block_tokens")[None, :]) - hi)
+    needs = jnp.where(want[:, None], needs, 0)
+    top = state.allocator.top
+    if state.prefix:
+        cached = jnp.stack([lr.count for lr in state.lrus])
+        pc = jnp.zeros((n_g,), _I32) if pinned_cached is None else pinned_cached
+        served, short_group, short_pages, total = fit(needs, want, evictable_pages(top, cached, pc))
+        short = jnp.maximum(total - top, 0)
+        # Eviction is rare (only when a free stack runs dry): skip its loops otherwise.
+        state = jax.lax.cond(
+            jnp.any(short > 0),
+            lambda st: evict(plan, st, short, needs.shape[0] * k),
+            lambda st: st,
+            state,
+        )
+    else:
+        served, short_group, short_pages, _ = fit(needs, want, top)
+    pools, got = acquire(state.allocator, layout, needs, served, k)
+    got = Acquired(served, short_group, short_pages, got.pages)
+    take = got.pages >= 0  # [B, G, K]
+    j = jnp.arange(k, dtype=_I32)[None, None, :]
+    row_base = geo.a("table_offset")[None, :] + s[:, None] * geo.a("width")[None, :]
+    idx = (row_base + hi)[:, :, None] + j
+    tables = state.table_buffer.at[jnp.where(take, idx, table_size(plan))].set(
+        got.pages, mode="drop"
+    )
+    new_hi = hi + jnp.sum(take, axis=2, dtype=_I32)
+    hi_arr = set_cols(state.hi, s, got.served, new_hi.T)
+    return replace(state, allocator=pools, table_buffer=tables, hi=hi_arr), got.served, got
+
+
+def evict(plan: CachePlan, state: CacheState, n: jax.Array, max_pages: int) -> CacheState:
+    """Evicts ``n[g]`` LRU cached-only (unpinned) pages of every pool: they leave the index,
+    lose its reference and go onto the free stack (the caller pops them right away)."""
+    lrus, indexes, out = [], [], []
+    for g in range(len(plan.groups)):
+        lr, ix, pages, _ = lru_lib.evict(
+            state.lrus[g], state.indexes[g], n[g], max_pages=max_pages, pinned=state.pinned[g]
+        )
+        lrus.append(lr)
+        indexes.append(ix)
+        out.append(pages)
+    group = jnp.repeat(jnp.arange(len(plan.groups), dtype=_I32), max_pages)
+    pools, _ = decref(state.allocator, pool_layout(plan), group, jnp.concatenate(out))
+    return replace(state, allocator=pools, lrus=tuple(lrus), indexes=tuple(indexes))
+
+
+def zero_lists(got: Acquired) -> jax.Array:
+    """``[G, B * K]``: every page handed out, per pool, padded with -1."""
+    b, g, k = got.pages.shape
+    return jnp.transpose(got.pages, (1, 0, 2)).reshape(g, b * k)
+
+
+def sweep(
+    plan: CachePlan,
+    state: CacheState,
+    s: jax.Array,
+    mask: jax.Array,
+    start: jax.Array,
+    end: jax.Array,
+    fill: int,
+    chunk: int,
+) -> CacheState:
+    """For every group ``g`` and row ``i`` of ``mask``: sets table entries
+    ``[start[g, i], end[g, i])`` of request ``s[i]`` to ``fill`` and decrefs the pages they
+    held: a page falling to 0 is freed, a page left with only the index's reference becomes
+    cached-only (pushed onto its pool's LRU). Entries are visited per group, rows in batch
+    order, each row from its highest slot down, so a row's pages become cached-only tail first
+    (the oracle's tie order). Cost O(entries changed), in chunks of ``chunk`` entries across
+    all groups."""
+    geo = geometry(plan)
+    layout = pool_layout(plan)
+    n_g, b = start.shape
+    length = jnp.where(mask[None, :], jnp.maximum(end - start, 0), 0).reshape(-1)  # [G * B]
+    incl = jnp.cumsum(length, dtype=_I32)
+    excl = incl - length
+    total = incl[-1]
+    group = jnp.broadcast_to(jnp.arange(n_g, dtype=_I32)[:, None], (n_g, b)).reshape(-1)
+    row_base = (geo.a("table_offset")[:, None] + geo.a("width")[:, None] * s[None, :]).reshape(-1)
+    # Table index of flat entry e is last[q] - e: each segment is walked from its end down.
+    last = (row_base + start.reshape(-1) + length - 1) + excl
+    size = table_size(plan)
+
+    def body(i, carry):
+        # The indexes are only read, but ride in the carry: a loop-invariant operand that is
+        # also live after the loop makes XLA copy it (every slot_of_page, every call).
+        pools, tables, lrus, indexes = carry
+        e = i * chunk + jnp.arange(chunk, dtype=_I32)
+        on = e < total
+        q = segment_rows(excl, length, i * chunk, chunk)
+        idx = last[q] - e
+        old = tables[jnp.where(on, idx, 0)]
+        # The written value depends on `old` (it never equals INT32_MIN), which pins the gather
+        # before the scatter; a gather used only after it makes XLA copy the whole buffer.
+        value = jnp.where(old == jnp.iinfo(_I32).min, old, fill)
+        tables = tables.at[jnp.where(on, idx, size)].set(value, mode="drop")
+        pages = jnp.where(on, old, -1)
+        gq = group[q]
+        held = jnp.zeros((chunk,), jnp.bool_)
+        for g, ix in enumerate(indexes):  # none without a prefix index
+            held = held | ((gq == g) & index_lib.holds(ix, jnp.where(gq == g, pages, 0)))
+        pools, _, left = decref_left(pools, layout, gq, pages)
+        # Left with only the index's reference: cached-only now.
+        now_cached = held & (pages > 0) & (left == 1)
+        # Most chunks push nothing in most pools: skip those pools' pushes (and their sorts).
+        lrus = tuple(
+            jax.lax.cond(
+                jnp.any(now_cached & (gq == g)),
+                lambda lr, m: lru_lib.release(lr, pages, m),
+                lambda lr, m: lr,
+                lr,
+                now_cached & (gq == g),
+            )
+            for g, lr in enumerate(lrus)
+        )
+        return pools, tables, lrus, indexes
+
+    pools, tables, lrus, indexes = jax.lax.fori_loop(
+        0,
+        ceil_div(total, chunk),
+        body,
+        (state.allocator, state.table_buffer, state.lrus, state.indexes),
+    )
+    return replace(state, allocator=pools, table_buffer=tables, lrus=lrus, indexes=indexes)
+
+
+def free_now(
+    plan: CachePlan,
+    state: CacheState,
+    s: jax.Array,
+    mask: jax.Array,
+    mode: jax.Array,
+    publish: bool = True,
+) -> CacheState:
+    """Frees requests now: drop every table reference, reset the slot and bump its generation.
+
+    With ``publish``, FINISH/RETRACT first publish the request's deferred blocks
+    (:func:`final_publish`); ``retire`` passes False because its own publish already
+    covered those rows.
+    """
+    b = s.shape[0]
+    if publish and state.prefix:
+        pub = final_publish(state, s, mask, mode)
+        c = state.committed[s]
+        state = jax.lax.cond(
+            jnp.any(pub),
+            lambda st: publish_blocks(
+                plan, st, s, pub, c, jnp.zeros_like(c), st.fifo_head[s], True, 1
+            ),
+            lambda st: st,
+            state,
+        )
+    hi = state.hi[:, s]
+    state = sweep(plan, state, s, mask, jnp.zeros_like(hi), hi, -1, release_chunk(b))
+    zeros = jnp.zeros_like(hi)
+    return replace(
+        state,
+        keyed=set_rows(state.keyed, s, mask, False),
+        defer_len=set_rows(state.defer_len, s, mask, 0),
+        lo=set_cols(state.lo, s, mask, zeros),
+        hi=set_cols(state.hi, s, mask, zeros),
+        live=set_rows(state.live, s, mask, False),
+        generation=set_rows(state.generation, s, mask, state.generation[s] + 1),
+        pending=set_rows(state.pending, s, mask, 0),
+        extent=set_rows(state.extent, s, mask, 0),
+        committed=set_rows(state.committed, s, mask, 0),
+        fifo_head=set_rows(state.fifo_head, s, mask, 0),
+        fifo_len=set_rows(state.fifo_len, s, mask, 0),
+    )
+
+
+def release_chunk(b: int) -> int:
+    # One chunk covers a few short requests; long requests loop (cost follows their length).
+    return max(256, 8 * b)
+
+
+def reclaim_chunk(plan: CachePlan, b: int) -> int:
+    # A decode step drops at most a block per window group and request, and usually only in
+    # the small-block groups: a chunk of one entry per request is one or two iterations.
+    del plan
+    return max(64, b)
