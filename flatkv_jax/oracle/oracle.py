@@ -116,21 +116,27 @@ class RadixOracle:
             return None
         return req
 
-    def _rows(self, batch, *, allow_pending: bool):
-        """Yields ``(row, slot, request, status)`` for the valid rows of a handle batch, in
-        order: ``status`` is STALE (bad handle), BAD_ARG (a slot an earlier non-stale row of
-        the batch already named) or None (go on with the op's own checks)."""
-        seen = set()
+    def _rows(self, batch, *, allow_pending: bool) -> list:
+        """``(row, slot, request, status)`` for the valid rows of a handle batch, in order:
+        ``status`` is STALE (bad handle), BAD_ARG (a slot an earlier non-stale row of the
+        batch already named) or None (go on with the op's own checks).
+
+        Every row is judged against the state before the call (docs/semantics.md), so the
+        list is built before the op changes anything: a row that defers or frees a request
+        must not turn a later row naming the same slot into STALE (it is BAD_ARG).
+        """
+        rows, seen = [], set()
         for i in np.flatnonzero(batch.valid):
             slot = int(batch.slot[i])
             req = self._req(slot, int(batch.generation[i]), allow_pending=allow_pending)
             if req is None:
-                yield i, slot, None, Status.STALE
+                rows.append((i, slot, None, Status.STALE))
             elif slot in seen:
-                yield i, slot, req, Status.BAD_ARG
+                rows.append((i, slot, req, Status.BAD_ARG))
             else:
                 seen.add(slot)
-                yield i, slot, req, None
+                rows.append((i, slot, req, None))
+        return rows
 
     # --- allocation -------------------------------------------------------------------------
     def _take(self, gi: int, pinned: set[int]) -> int:

@@ -110,6 +110,25 @@ def test_batch_rows_repeat_a_slot_and_masked_rows_idle():
     assert [Status(int(s)) for s in res.status[:2]] == [Status.STALE, Status.OK]
 
 
+def test_rows_repeating_a_slot_see_the_state_before_the_call():
+    # Every row is judged against the state before the call (the device does the same): a
+    # row that defers or frees a request does not make a later row of the same slot STALE.
+    d = Driver(full_plan())
+    _st, h, _ = d.admit(rng_tokens(10, 4))  # one step in flight
+    finish = ReleaseMode.FINISH
+    res = d.o.release(handle_batch(d.plan, [(h, finish), (h, finish)]))
+    assert [Status(int(s)) for s in res.status[:2]] == [Status.DEFERRED, Status.BAD_ARG]
+    # The retire that empties the FIFO frees the request; the repeated row is still BAD_ARG.
+    res = d.o.retire(handle_batch(d.plan, [(h, 4), (h, 4)]))
+    assert [Status(int(s)) for s in res.status[:2]] == [Status.OK, Status.BAD_ARG]
+    assert not d.o.counts().live[0]
+    _st, h, _ = d.admit(rng_tokens(11, 4))
+    d.retire_all(h)
+    res = d.o.release(handle_batch(d.plan, [(h, finish), (h, finish)]))
+    assert [Status(int(s)) for s in res.status[:2]] == [Status.OK, Status.BAD_ARG]
+    d.check()
+
+
 def test_reclaim_makes_holes_and_pools_are_whole_after_everything():
     d = Driver(hybrid_plan(full=40, swa=12))
     h, _ = d.run(rng_tokens(9, 30))
