@@ -4,7 +4,8 @@ Each op lives in its own folder (``write_rows/``, ``zero_pages/``) with a plain-
 ``reference.py`` (the default, and the CPU/GPU path), a Pallas TPU kernel (``pallas_tpu.py``),
 ``validation.py`` and ``api.py``. The implementation is always chosen by an explicit ``impl=``
 argument (``Impl.REFERENCE`` by default), never by the environment. Version-specific Pallas
-spellings live in ``_compat.py``. Contract and decisions: docs/kernels.md.
+spellings live in ``_compat.py``; the helpers both ops share in ``_common.py``; why the
+GPU path is the reference in ``gpu_decision.py``. Contract and decisions: docs/kernels.md.
 """
 
 from kernels_pallas._common import Impl

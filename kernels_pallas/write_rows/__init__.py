@@ -1,8 +1,9 @@
 """``write_rows``: write N token rows into (page, row) slots of a donated pool.
 
 Files: ``reference.py`` (plain JAX, exported, default; also the GPU path), ``pallas_tpu.py``
-(Pallas TPU DMA kernel), ``pallas_gpu.py`` (why there is no GPU Pallas kernel),
-``validation.py`` (static and opt-in dynamic checks), ``api.py`` (dispatch).
+(Pallas TPU DMA kernel), ``validation.py`` (static and opt-in dynamic checks), ``api.py``
+(dispatch). The GPU decision for both ops (no GPU Pallas kernel) is in
+``kernels_pallas/gpu_decision.py``.
 """
 
 from kernels_pallas.write_rows import reference

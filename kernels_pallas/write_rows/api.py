@@ -6,7 +6,7 @@ from typing import Any
 
 import jax
 
-from kernels_pallas._common import Impl, as_impl
+from kernels_pallas._common import Impl, as_impl, check_interpret
 from kernels_pallas.write_rows import pallas_tpu, reference
 from kernels_pallas.write_rows.validation import check_write_rows_static
 
@@ -50,9 +50,5 @@ def write_rows(
     check_write_rows_static(pool, rows, slots)
     if impl is Impl.PALLAS_TPU:
         return pallas_tpu.write_rows(pool, rows, slots, interpret=interpret)
-    if interpret is not False:
-        raise ValueError(
-            f"write_rows: interpret={interpret!r} only applies to Pallas impls, but impl is "
-            f"Impl.{impl.name}; drop interpret or pass impl=Impl.PALLAS_TPU."
-        )
+    check_interpret(impl, interpret, op="write_rows")
     return reference.write_rows(pool, rows, slots)

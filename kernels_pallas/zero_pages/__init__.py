@@ -2,7 +2,7 @@
 
 Files: ``reference.py`` (plain JAX, exported, default; also the GPU path), ``pallas_tpu.py``
 (Pallas TPU DMA kernel), ``validation.py`` (static and opt-in dynamic checks), ``api.py``
-(dispatch). The GPU decision for both ops is in ``write_rows/pallas_gpu.py`` and
+(dispatch). The GPU decision for both ops is in ``kernels_pallas/gpu_decision.py`` and
 docs/kernels.md.
 """
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import jax
 
-from kernels_pallas._common import Impl, as_impl
+from kernels_pallas._common import Impl, as_impl, check_interpret
 from kernels_pallas.zero_pages import pallas_tpu, reference
 from kernels_pallas.zero_pages.validation import check_zero_pages_static
 
@@ -47,9 +47,5 @@ def zero_pages(
     check_zero_pages_static(pools, page_ids)
     if impl is Impl.PALLAS_TPU:
         return pallas_tpu.zero_pages(pools, page_ids, interpret=interpret)
-    if interpret is not False:
-        raise ValueError(
-            f"zero_pages: interpret={interpret!r} only applies to Pallas impls, but impl is "
-            f"Impl.{impl.name}; drop interpret or pass impl=Impl.PALLAS_TPU."
-        )
+    check_interpret(impl, interpret, op="zero_pages")
     return reference.zero_pages(pools, page_ids)

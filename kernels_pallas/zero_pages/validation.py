@@ -7,8 +7,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from flatkv_jax.errors import fail
 from kernels_pallas import _common
-from kernels_pallas.write_rows.validation import _concrete_ids, _positions
+from kernels_pallas._common import concrete_ids, positions
 
 _OP = "zero_pages"
 
@@ -22,20 +23,24 @@ def check_zero_pages_static(pools: Any, page_ids: Any) -> None:
     """
     leaves_with_path = jax.tree_util.tree_flatten_with_path(pools)[0]
     if not leaves_with_path:
-        raise ValueError(
-            f"{_OP}: pools is empty ({type(pools).__name__} with no arrays); pass the tuple/dict "
-            "of all pool arrays of one group."
+        fail(
+            "pools",
+            f"{type(pools).__name__} with no arrays",
+            f"{_OP}: pools is empty",
+            "pass the tuple/dict of all pool arrays of one group",
         )
     first_path, first = leaves_with_path[0]
     for path, leaf in leaves_with_path:
         name = f"pools{jax.tree_util.keystr(path)}"
         _common.check_pool_array(leaf, name=name, op=_OP)
         if leaf.shape[0] != first.shape[0]:
-            raise ValueError(
+            fail(
+                name,
+                f"an array of shape {tuple(leaf.shape)}",
                 f"{_OP}: {name} has {leaf.shape[0]} pages but "
                 f"pools{jax.tree_util.keystr(first_path)} has {first.shape[0]}; one call zeros "
-                "the arrays of ONE group, which share page ids and so num_pages. Call zero_pages "
-                "once per group."
+                "the arrays of ONE group, which share page ids and so num_pages",
+                "call zero_pages once per group",
             )
     _common.check_ids_array(page_ids, name="page_ids", op=_OP)
 
@@ -61,26 +66,33 @@ def check_page_ids(pools_or_num_pages: Any, page_ids: Any) -> None:
     else:
         leaves = jax.tree.leaves(pools_or_num_pages)
         if not leaves:
-            raise ValueError(f"{fn}: pools is empty; pass the pools or num_pages.")
+            fail(
+                "pools", pools_or_num_pages, f"{fn}: pools is empty", "pass the pools or num_pages"
+            )
         num_pages = int(leaves[0].shape[0])
-    ids = _concrete_ids(page_ids, name="page_ids", fn=fn)
+    ids = concrete_ids(page_ids, name="page_ids", fn=fn)
     bad_neg = ids < -1
     if bad_neg.any():
-        raise ValueError(
-            f"{fn}: page_ids at positions [{_positions(bad_neg)}] are negative "
-            f"({ids[bad_neg][0]}, ...) but only -1 means skip; negative ids are never wrapped. "
-            "Use -1 for padding."
+        fail(
+            "page_ids",
+            f"page_ids at positions [{positions(bad_neg)}] ({ids[bad_neg][0]}, ...)",
+            f"{fn}: they are negative but only -1 means skip; negative ids are never wrapped",
+            "use -1 for padding",
         )
     too_big = ids >= num_pages
     if too_big.any():
-        raise ValueError(
-            f"{fn}: page_ids at positions [{_positions(too_big)}] are out of range "
-            f"({ids[too_big][0]}, ...); a page id must be < num_pages = {num_pages}."
+        fail(
+            "page_ids",
+            f"page_ids at positions [{positions(too_big)}] ({ids[too_big][0]}, ...)",
+            f"{fn}: they are out of range; a page id must be < num_pages = {num_pages}",
+            "pass ids of this group's pools",
         )
     scratch = ids == num_pages - 1
     if scratch.any():
-        raise ValueError(
-            f"{fn}: page_ids at positions [{_positions(scratch)}] name page {num_pages - 1}, the "
-            "reserved scratch page (num_pages - 1), which is never allocated; only zero pages "
-            "1 .. num_pages-2 (or pass -1 to skip)."
+        fail(
+            "page_ids",
+            f"page_ids at positions [{positions(scratch)}] ({ids[scratch][0]}, ...)",
+            f"{fn}: they name page {num_pages - 1}, the reserved scratch page (num_pages - 1), "
+            "which is never allocated",
+            "only zero pages 1 .. num_pages-2 (or pass -1 to skip)",
         )

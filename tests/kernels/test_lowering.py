@@ -11,7 +11,7 @@ from kernel_cases import GEOMETRIES
 
 from kernels_pallas import Impl, write_rows, zero_pages
 from kernels_pallas._compat import JAX_VERSION
-from kernels_pallas.write_rows.pallas_gpu import probe_mosaic_gpu_row_copy
+from kernels_pallas.gpu_decision import probe_mosaic_gpu_row_copy
 
 
 def _write_args(geo, n=24):
@@ -91,7 +91,7 @@ def test_tpu_kernel_is_not_a_gpu_kernel(geo):
     ],
 )
 def test_mosaic_gpu_probe_matches_documented_decision(row_shape, dtype, expected):
-    """The GPU decision in write_rows/pallas_gpu.py and docs/kernels.md, re-measured."""
+    """The GPU decision in kernels_pallas/gpu_decision.py and docs/kernels.md, re-measured."""
     error = probe_mosaic_gpu_row_copy(row_shape, dtype)
     if expected is None:
         assert error is None  # the probe itself is a valid Mosaic GPU kernel

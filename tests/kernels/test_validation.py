@@ -63,16 +63,23 @@ def test_pool_too_large_for_int32_slots():
 
 @pytest.mark.parametrize("bad", ["pallas", 3, None])
 def test_unknown_impl(bad):
-    with pytest.raises(ValueError, match=r"impl=.* is not a known implementation.*Impl.REFERENCE"):
+    with pytest.raises(
+        ValueError,
+        match=r"impl=.* is invalid: .* runs a known implementation.*Fix: .*Impl.REFERENCE",
+    ):
         write_rows(POOL, ROWS, SLOTS, impl=bad)
-    with pytest.raises(ValueError, match=r"is not a known implementation"):
+    with pytest.raises(ValueError, match=r"runs a known implementation"):
         zero_pages((POOL,), SLOTS, impl=bad)
 
 
 def test_interpret_without_pallas_impl():
-    with pytest.raises(ValueError, match=r"interpret=True only applies to Pallas impls"):
+    with pytest.raises(
+        ValueError, match=r"interpret=True is invalid: .*interpret only applies to Pallas impls"
+    ):
         write_rows(POOL, ROWS, SLOTS, impl=Impl.REFERENCE, interpret=True)
-    with pytest.raises(ValueError, match=r"interpret=True only applies to Pallas impls"):
+    with pytest.raises(
+        ValueError, match=r"interpret=True is invalid: .*interpret only applies to Pallas impls"
+    ):
         zero_pages((POOL,), SLOTS, interpret=True)
 
 
@@ -105,11 +112,17 @@ def test_check_write_slots_accepts_valid():
 @pytest.mark.parametrize(
     ("slots", "match"),
     [
-        ([4, -2], r"positions \[1\] are negative \(-2, \.\.\.\) but only -1 means skip"),
-        ([4, 24], r"out of range \(24, \.\.\.\).*6 \* 4 = 24"),
-        ([4, 3], r"positions \[1\] \(3, \.\.\.\) target page 0, the null page"),
-        ([20, 4], r"positions \[0\] \(20, \.\.\.\) target page 5, the reserved scratch page"),
-        ([4, 7, 4, -1], r"slot 4 appears 2 times \(positions \[0, 2\]\)"),
+        (
+            [4, -2],
+            r"positions \[1\] \(-2, \.\.\.\)' is invalid: .* are negative but only -1 means skip",
+        ),
+        ([4, 24], r"\(24, \.\.\.\)' is invalid: .* out of range.*6 \* 4 = 24"),
+        ([4, 3], r"positions \[1\] \(3, \.\.\.\)' is invalid: .* target page 0, the null page"),
+        (
+            [20, 4],
+            r"positions \[0\] \(20, \.\.\.\)' is invalid: .* target page 5, the reserved scratch page",
+        ),
+        ([4, 7, 4, -1], r"slot 4 at positions \[0, 2\]' is invalid: .*slot 4 appears 2 times"),
         (np.zeros((2, 2), np.int32), r"must be a rank-1 integer array"),
     ],
 )
@@ -133,8 +146,8 @@ def test_check_page_ids_accepts_valid_including_null_and_duplicates():
 @pytest.mark.parametrize(
     ("ids", "match"),
     [
-        ([1, -3], r"positions \[1\] are negative \(-3, \.\.\.\)"),
-        ([6, 1], r"positions \[0\] are out of range \(6, \.\.\.\).*num_pages = 6"),
+        ([1, -3], r"positions \[1\] \(-3, \.\.\.\)' is invalid: .* are negative"),
+        ([6, 1], r"positions \[0\] \(6, \.\.\.\)' is invalid: .* out of range.*num_pages = 6"),
         ([5], r"name page 5, the reserved scratch page"),
     ],
 )
