@@ -75,7 +75,7 @@ class ServingLimits:
                 f"a chunk is part of one request, at most max_context={self.max_context} tokens",
                 f"lower chunk_tokens to <= {self.max_context} (or raise max_context)",
             )
-        last = self.max_context + self.verify_width + max(self.chunk_tokens, self.decode_tokens)
+        last = self.max_context + self.verify_width + self.max_count
         if last > INT32_MAX:
             fail(
                 "max_context",
@@ -88,8 +88,7 @@ class ServingLimits:
             object.__setattr__(
                 self,
                 "step_tokens",
-                max(self.chunk_tokens, self.decode_tokens)
-                + (self.max_requests - 1) * self.decode_tokens,
+                self.max_count + (self.max_requests - 1) * self.decode_tokens,
             )
         object.__setattr__(self, "step_tokens", check_positive_int("step_tokens", self.step_tokens))
         if self.step_tokens > INT32_MAX:
@@ -99,7 +98,7 @@ class ServingLimits:
                 f"a step's token indices are int32 (<= {INT32_MAX:,})",
                 "lower step_tokens (or max_requests / verify_width, which set its default)",
             )
-        if self.step_tokens < max(self.chunk_tokens, self.decode_tokens):
+        if self.step_tokens < self.max_count:
             fail(
                 "step_tokens",
                 self.step_tokens,
@@ -111,6 +110,13 @@ class ServingLimits:
     def decode_tokens(self) -> int:
         """Tokens one request writes in a decode (verify) step: ``1 + verify_width``."""
         return 1 + self.verify_width
+
+    @property
+    def max_count(self) -> int:
+        """The most tokens one request writes in one step: a whole chunk or a decode step,
+        ``max(chunk_tokens, 1 + verify_width)`` (the default ``max_count`` of the operations
+        and the width of a step's token record)."""
+        return max(self.chunk_tokens, self.decode_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,7 +262,7 @@ class CachePlan:
         """Usable pages one request needs in group ``g`` at the plan's limits."""
         lim = self.limits
         if g.is_window:
-            return g.live_blocks(max(lim.chunk_tokens, lim.decode_tokens))
+            return g.live_blocks(lim.max_count)
         return g.blocks_for_tokens(lim.max_context + lim.verify_width)
 
     @property

@@ -26,7 +26,6 @@ from flatkv_jax.coordinator.state import (
     CacheState,
     StateLayout,
     state_layout,
-    step_token_width,
     table_size,
 )
 from flatkv_jax.errors import fail
@@ -204,7 +203,8 @@ def check_state_for_plan(plan: object, state: object, op: str) -> CachePlan:
 
 
 def dataclass_sizes(layout: StateLayout) -> tuple:
-    """The sizes of a layout (everything but the plan fingerprint)."""
+    """The sizes of a layout (everything but the plan fingerprint and the per-group
+    constants)."""
     return (layout.pools, layout.table_offset, layout.table_width, layout.max_requests)
 
 
@@ -213,7 +213,7 @@ def _check_shapes(plan: CachePlan, state: CacheState, op: str) -> None:
     d = state.fifo_start.shape[1] if state.fifo_start.ndim == 2 else -1
     pools = PoolLayout(plan.num_pages)
     prefix = len(state.indexes) > 0
-    width = step_token_width(plan) if prefix else 0
+    width = plan.limits.max_count if prefix else 0
     kd = state.defer_group.shape[1] if state.defer_group.ndim == 2 else -1
     expect = [
         ("allocator.free_ids", state.allocator.free_ids, (sum(pools.usable),), _INT),

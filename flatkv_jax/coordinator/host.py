@@ -28,7 +28,6 @@ from flatkv_jax.coordinator.batches import (
     RetireBatch,
     RewindBatch,
 )
-from flatkv_jax.coordinator.state import step_token_width
 from flatkv_jax.errors import fail
 from flatkv_jax.plan import CachePlan
 from flatkv_jax.status import Status
@@ -257,7 +256,7 @@ def extend_batch(
     valid, slot, gen, count = _handle_rows(plan, rows, size, "count")
     if tokens is None:
         return ExtendBatch(valid, slot, gen, count)
-    toks = _token_rows(plan, "tokens", tokens, len(rows), valid.shape[0], step_token_width(plan))
+    toks = _token_rows(plan, "tokens", tokens, len(rows), valid.shape[0], plan.limits.max_count)
     return ExtendBatch(valid, slot, gen, count, toks)
 
 

@@ -1,31 +1,119 @@
-"""The derived layout of a plan: the per-group constants and static bounds the operations use.
+"""The derived layout of a plan: every constant the state and the operations derive from it.
 
-Everything here is a pure function of the (static, hashable) plan and is computed once per plan.
+One frozen, hashable :class:`StateLayout` per plan (:func:`state_layout`, computed once per
+plan): where each pool and each table lives in the flat buffers and the per-group constants
+the vectorised operations read. It is the static field of the state pytree, so a state
+carries the layout of the plan it was created for.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from flatkv_jax.coordinator.state import table_offset
+from flatkv_jax.block_pool import PoolLayout
 from flatkv_jax.errors import check_positive_int, fail
 from flatkv_jax.plan import CachePlan
 
 _I32 = jnp.int32
 
 
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """Static placement of the flat buffers and the per-group constants of one plan (hashable;
+    a static field of the state pytree). Build it with :func:`state_layout`.
+
+    Attributes:
+      pools: where each pool's allocator lives in the allocator arrays.
+      table_offset: per group, offset of its table in ``table_buffer``.
+      table_width: per group, its row stride (``plan.table_width(g)``).
+      max_requests: request slots (table rows).
+      plan_key: a fingerprint of the plan's groups, limits and page counts (its name aside):
+        the operations refuse a state built for another plan (:func:`check_state_for_plan`).
+      block_tokens: per group, raw tokens per table column (``rows_per_page * tokens_per_row``).
+      rows_per_page: per group, rows of one page.
+      tokens_per_row: per group, raw tokens per row (1 for raw rows).
+      is_window: per group, whether it keeps only a window.
+      window: per group, its window in tokens (0 for history groups).
+      table_size: entries of the flat ``table_buffer`` (every group's table).
+    """
+
+    pools: PoolLayout
+    table_offset: tuple[int, ...]
+    table_width: tuple[int, ...]
+    max_requests: int
+    plan_key: str = ""
+    block_tokens: tuple[int, ...] = ()
+    rows_per_page: tuple[int, ...] = ()
+    tokens_per_row: tuple[int, ...] = ()
+    is_window: tuple[bool, ...] = ()
+    window: tuple[int, ...] = ()
+    table_size: int = 0
+
+
+def per_group(values: tuple) -> jax.Array:
+    """A per-group constant of :class:`StateLayout` as a ``[G]`` array (bool or int32)."""
+    dtype = jnp.bool_ if values and isinstance(values[0], bool) else _I32
+    return jnp.asarray(values, dtype)
+
+
+@functools.cache
+def state_layout(plan: CachePlan) -> StateLayout:
+    """The layout of ``plan``'s state (computed once per plan)."""
+    widths = tuple(plan.table_width(g) for g in plan.groups)
+    r = plan.limits.max_requests
+    sizes = [r * w for w in widths]
+    return StateLayout(
+        pools=PoolLayout(plan.num_pages),
+        table_offset=tuple(int(x) for x in np.cumsum([0, *sizes[:-1]])),
+        table_width=widths,
+        max_requests=r,
+        plan_key=_plan_key(plan),
+        block_tokens=tuple(g.block_tokens for g in plan.groups),
+        rows_per_page=tuple(g.rows_per_page for g in plan.groups),
+        tokens_per_row=tuple(g.tokens_per_row for g in plan.groups),
+        is_window=tuple(g.is_window for g in plan.groups),
+        window=tuple(g.window or 0 for g in plan.groups),
+        table_size=sum(sizes),
+    )
+
+
+def _plan_key(plan: CachePlan) -> str:
+    # Deterministic across processes (unlike hash() of strings): the frozen dataclasses'
+    # reprs spell every field.
+    text = repr((plan.groups, plan.limits, plan.num_pages))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def pool_layout(plan: CachePlan) -> PoolLayout:
+    """Where every pool of ``plan`` lives in the flat allocator arrays."""
+    return state_layout(plan).pools
+
+
+def table_offset(plan: CachePlan) -> tuple[int, ...]:
+    """Per group, the offset of its table in the flat ``tables`` buffer (row stride:
+    ``plan.table_width(g)``)."""
+    return state_layout(plan).table_offset
+
+
+def table_size(plan: CachePlan) -> int:
+    """Entries of the flat ``tables`` buffer (``plan.total_table_bytes / 4``)."""
+    return state_layout(plan).table_size
+
+
 def resolve_max_count(plan: CachePlan, max_count: int | None) -> int:
-    """The static per-row token bound of admit/extend (default ``max(chunk, 1 + verify)``).
+    """The static per-row token bound of admit/extend (default ``plan.limits.max_count``,
+    ``max(chunk_tokens, 1 + verify_width)``).
 
     A smaller bound (``plan.limits.decode_tokens`` for a decode-only batch) shrinks the zero
     lists and the per-row table scatter.
     """
-    lim = plan.limits
-    default = max(lim.chunk_tokens, lim.decode_tokens)
+    default = plan.limits.max_count
     if max_count is None:
         return default
     check_positive_int("max_count", max_count)
@@ -43,9 +131,10 @@ def pages_per_row(plan: CachePlan, max_count: int) -> int:
     """The most pages one row of admit/extend can take in any pool: ``ceil(max_count / B)``
     for the smallest block span ``B`` (a step of ``n <= max_count`` tokens opens at most
     ``ceil(n / B)`` new blocks, since blocks ``< hi`` are already allocated)."""
-    return -(-max_count // min(g.block_tokens for g in plan.groups))
+    return -(-max_count // min(state_layout(plan).block_tokens))
 
 
+# Transitional: alloc and publish still read this view; the layout above is the source.
 @dataclasses.dataclass(frozen=True)
 class Geometry:
     """Per-group constants of a plan, as tuples (turned into small constant arrays in jit)."""
@@ -67,12 +156,13 @@ class Geometry:
 @functools.cache
 def geometry(plan: CachePlan) -> Geometry:
     """The per-group constants the vectorised operations need."""
+    lay = state_layout(plan)
     return Geometry(
-        block_tokens=tuple(g.block_tokens for g in plan.groups),
-        rows_per_page=tuple(g.rows_per_page for g in plan.groups),
-        tokens_per_row=tuple(g.tokens_per_row for g in plan.groups),
-        width=tuple(plan.table_width(g) for g in plan.groups),
-        table_offset=table_offset(plan),
-        is_window=tuple(g.is_window for g in plan.groups),
-        window=tuple(g.window or 0 for g in plan.groups),
+        block_tokens=lay.block_tokens,
+        rows_per_page=lay.rows_per_page,
+        tokens_per_row=lay.tokens_per_row,
+        width=lay.table_width,
+        table_offset=lay.table_offset,
+        is_window=lay.is_window,
+        window=lay.window,
     )

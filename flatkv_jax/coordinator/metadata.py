@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flatkv_jax.coordinator.checks import check_state_for_plan, check_step_results
-from flatkv_jax.coordinator.layout import geometry, resolve_max_count
+from flatkv_jax.coordinator.layout import per_group, resolve_max_count, state_layout
 from flatkv_jax.coordinator.results import StepResult
 from flatkv_jax.coordinator.segments import segment_rows
 from flatkv_jax.coordinator.state import CacheState
@@ -160,9 +160,11 @@ def step_metadata_fn(
     tslot = jnp.where(t_on, slot[row], -1)
     s_safe = jnp.clip(tslot, 0, r - 1)
 
-    geo = geometry(plan)
-    bt, rpp, tpr = (geo.a(n)[:, None] for n in ("block_tokens", "rows_per_page", "tokens_per_row"))
-    width, base = geo.a("width")[:, None], geo.a("table_offset")[:, None]
+    lay = state_layout(plan)
+    bt, rpp, tpr = (
+        per_group(v)[:, None] for v in (lay.block_tokens, lay.rows_per_page, lay.tokens_per_row)
+    )
+    width, base = per_group(lay.table_width)[:, None], per_group(lay.table_offset)[:, None]
     # Writes, every group at once: [G, T].
     p_safe = jnp.maximum(pos, 0)[None, :]
     blk = jnp.minimum(p_safe // bt, width - 1)
@@ -178,14 +180,16 @@ def step_metadata_fn(
     cols = window_columns(plan, mc)
     col_g = np.concatenate([np.full(n, gi, np.int32) for gi, (_, n) in enumerate(cols)])
     col_j = np.concatenate([np.arange(n, dtype=np.int32) for _, n in cols])
-    win = geo.a("window")[:, None]
+    win = per_group(lay.window)[:, None]
     first = jnp.where(
-        on[None, :] & geo.a("is_window")[:, None], (start[None, :] - (win - 1)) // bt, 0
+        on[None, :] & per_group(lay.is_window)[:, None], (start[None, :] - (win - 1)) // bt, 0
     )
     if col_g.size:
         cg = jnp.asarray(col_g)
         blk = first[cg].T + jnp.asarray(col_j)[None, :]  # [S, C]
-        cbt, cw, cbase = (geo.a(n)[cg][None, :] for n in ("block_tokens", "width", "table_offset"))
+        cbt, cw, cbase = (
+            per_group(v)[cg][None, :] for v in (lay.block_tokens, lay.table_width, lay.table_offset)
+        )
         last = (start + count - 1)[:, None] // cbt
         srow = jnp.clip(slot, 0, r - 1)[:, None]
         wpage = state.table_buffer[cbase + srow * cw + jnp.clip(blk, 0, cw - 1)]

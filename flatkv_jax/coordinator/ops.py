@@ -48,7 +48,7 @@ from flatkv_jax.coordinator.batches import (
     RewindBatch,
 )
 from flatkv_jax.coordinator.checks import check_batch, check_same_step, check_state_for_plan
-from flatkv_jax.coordinator.layout import geometry, pages_per_row, resolve_max_count
+from flatkv_jax.coordinator.layout import pages_per_row, per_group, resolve_max_count, state_layout
 from flatkv_jax.coordinator.publish import (
     final_publish,
     match_layout,
@@ -67,7 +67,7 @@ from flatkv_jax.coordinator.rows import (
     set_cols,
     set_rows,
 )
-from flatkv_jax.coordinator.state import CacheState, step_token_width
+from flatkv_jax.coordinator.state import CacheState
 from flatkv_jax.plan import CachePlan
 from flatkv_jax.prefix.match import match_prompts
 from flatkv_jax.status import Status
@@ -148,7 +148,7 @@ def admit_fn(
     count = jnp.minimum(batch.first_chunk, batch.prompt_len - hit)
     step_full = over_step_budget(plan, rows.want, count, same_step)
     want = rows.want & ~step_full
-    bt = geometry(plan).a("block_tokens")[None, :]
+    bt = per_group(state_layout(plan).block_tokens)[None, :]
     state, served, part = grow(
         plan,
         state,
@@ -260,17 +260,17 @@ def _record_prefix_admission(
 ) -> CacheState:
     """Served rows take their hit pages; window slots before the trailing run become holes;
     the request's chain state, namespace and first step's tokens are recorded."""
-    geo = geometry(plan)
-    bt = geo.a("block_tokens")[None, :]
+    lay = state_layout(plan)
+    bt = per_group(lay.block_tokens)[None, :]
     tokens = batch.tokens
     b = tokens.shape[0]
     ns = jnp.zeros((b,), _I32) if batch.namespace is None else batch.namespace
     state = take_hits(plan, state, m, s, served, listing)
     need = jnp.asarray([gm.need for gm in match_layout(plan, tokens.shape[1]).groups], _I32)
     lo = jnp.where(
-        geo.a("is_window")[None, :], jnp.maximum(0, hit[:, None] // bt - need[None, :]), 0
+        per_group(lay.is_window)[None, :], jnp.maximum(0, hit[:, None] // bt - need[None, :]), 0
     )
-    t_w = step_token_width(plan)
+    t_w = plan.limits.max_count
     pos = jnp.clip(hit[:, None] + jnp.arange(t_w, dtype=_I32)[None, :], 0, tokens.shape[1] - 1)
     first_tokens = jnp.take_along_axis(tokens, pos, axis=1)
     return replace(
@@ -387,7 +387,7 @@ def extend_fn(
         # The step's tokens are unknown: the request's committed chain would be too.
         state = replace(state, keyed=set_rows(state.keyed, s, served, False))
     else:
-        t_w = step_token_width(plan)
+        t_w = plan.limits.max_count
         toks = batch.tokens[:, :t_w]
         toks = jnp.pad(toks, ((0, 0), (0, t_w - toks.shape[1])))
         state = replace(state, fifo_tokens=state.fifo_tokens.at[srow, pos].set(toks, mode="drop"))
@@ -582,12 +582,12 @@ def reclaim_fn(
     status = pick_status(
         Status.OK, (~valid, Status.IDLE), (stale, Status.STALE), (bad, Status.BAD_ARG)
     )
-    geo = geometry(plan)
+    lay = state_layout(plan)
     c = state.committed[s]
     lo, hi = state.lo[:, s], state.hi[:, s]  # [G, B]
-    bt, win = geo.a("block_tokens")[:, None], geo.a("window")[:, None]
+    bt, win = per_group(lay.block_tokens)[:, None], per_group(lay.window)[:, None]
     behind = jnp.maximum(0, (c[None, :] - win + 1) // bt)
-    new_lo = jnp.where(geo.a("is_window")[:, None], jnp.clip(behind, lo, hi), lo)
+    new_lo = jnp.where(per_group(lay.is_window)[:, None], jnp.clip(behind, lo, hi), lo)
     state = sweep(plan, state, s, go, lo, new_lo, 0, reclaim_chunk(plan, b))
     state = replace(state, lo=set_cols(state.lo, s, go, new_lo))
     return state, ReclaimResult(status, jnp.where(go[:, None], (new_lo - lo).T, 0))

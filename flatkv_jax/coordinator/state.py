@@ -30,14 +30,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from flatkv_jax.block_pool import BlockPoolSet, PoolLayout, create_block_pool_set
+from flatkv_jax.block_pool import BlockPoolSet, create_block_pool_set
+from flatkv_jax.coordinator.layout import (
+    StateLayout,
+    pool_layout,
+    state_layout,
+    table_offset,
+    table_size,
+)
 from flatkv_jax.errors import check_positive_int, fail
 from flatkv_jax.plan import CachePlan
 from flatkv_jax.prefix.index import PrefixIndex, create_indexes
@@ -46,25 +51,19 @@ from flatkv_jax.prefix.lru import CachedLRU, create_lrus
 
 _I32 = jnp.int32
 
-
-@dataclasses.dataclass(frozen=True)
-class StateLayout:
-    """Static placement of the flat buffers (hashable; a static field of the state pytree).
-
-    Attributes:
-      pools: where each pool lives in the allocator arrays.
-      table_offset: per group, offset of its table in ``table_buffer``.
-      table_width: per group, its row stride (``plan.table_width(g)``).
-      max_requests: request slots (table rows).
-      plan_key: a fingerprint of the plan's groups, limits and page counts (its name aside):
-        the operations refuse a state built for another plan (:func:`check_state_for_plan`).
-    """
-
-    pools: PoolLayout
-    table_offset: tuple[int, ...]
-    table_width: tuple[int, ...]
-    max_requests: int
-    plan_key: str = ""
+# The layout names live in .layout and are re-exported here, where the state's users look.
+__all__ = [
+    "CacheState",
+    "PoolView",
+    "StateLayout",
+    "create_state",
+    "pool_layout",
+    "state_bytes",
+    "state_layout",
+    "table",
+    "table_offset",
+    "table_size",
+]
 
 
 class PoolView(NamedTuple):
@@ -242,7 +241,7 @@ def create_state(
     check_positive_int("deferred_blocks", deferred_blocks)
     r = plan.limits.max_requests
     kd = deferred_blocks if prefix else 0
-    width = step_token_width(plan) if prefix else 0
+    width = plan.limits.max_count if prefix else 0
 
     # Every leaf is its own buffer: the ops donate the state, and XLA refuses to donate one
     # buffer twice.
@@ -281,49 +280,6 @@ def create_state(
         key_seed=jnp.asarray(new_seed() if seed is None else seed_words(seed)),
         layout=state_layout(plan),
     )
-
-
-def step_token_width(plan: CachePlan) -> int:
-    """Tokens one in-flight step records: ``max(chunk_tokens, 1 + verify_width)``."""
-    return max(plan.limits.chunk_tokens, plan.limits.decode_tokens)
-
-
-@functools.cache
-def state_layout(plan: CachePlan) -> StateLayout:
-    """The static layout of ``plan``'s state."""
-    return StateLayout(
-        pools=pool_layout(plan),
-        table_offset=table_offset(plan),
-        table_width=tuple(plan.table_width(g) for g in plan.groups),
-        max_requests=plan.limits.max_requests,
-        plan_key=_plan_key(plan),
-    )
-
-
-def _plan_key(plan: CachePlan) -> str:
-    # Deterministic across processes (unlike hash() of strings): the frozen dataclasses'
-    # reprs spell every field.
-    text = repr((plan.groups, plan.limits, plan.num_pages))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-@functools.cache
-def pool_layout(plan: CachePlan) -> PoolLayout:
-    """Where every pool of ``plan`` lives in the flat allocator arrays."""
-    return PoolLayout(plan.num_pages)
-
-
-@functools.cache
-def table_offset(plan: CachePlan) -> tuple[int, ...]:
-    """Per group, the offset of its table in the flat ``tables`` buffer (row stride:
-    ``plan.table_width(g)``)."""
-    sizes = [plan.limits.max_requests * plan.table_width(g) for g in plan.groups]
-    return tuple(int(x) for x in np.cumsum([0, *sizes[:-1]]))
-
-
-def table_size(plan: CachePlan) -> int:
-    """Entries of the flat ``tables`` buffer (``plan.total_table_bytes / 4``)."""
-    return sum(plan.limits.max_requests * plan.table_width(g) for g in plan.groups)
 
 
 def table(plan: CachePlan, state: CacheState, g: int | str) -> jax.Array:

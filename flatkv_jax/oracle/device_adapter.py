@@ -108,7 +108,7 @@ class DeviceBackend:
         self.prefix_reuse = has if prefix_reuse is None else bool(prefix_reuse)
         lim = plan.limits
         # Rows one op can write per group: every valid row, every token it schedules.
-        self._write_rows = lim.max_requests * max(lim.chunk_tokens, lim.decode_tokens)
+        self._write_rows = lim.max_requests * lim.max_count
         self.reset()
 
     def reset(self) -> None:

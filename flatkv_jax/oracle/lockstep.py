@@ -79,7 +79,7 @@ def _shape(plan: CachePlan) -> _Shape:
         b=lim.max_requests,
         ctx=lim.max_context,
         step=lim.step_tokens,
-        writes=lim.max_requests * max(lim.chunk_tokens, lim.decode_tokens),
+        writes=lim.max_requests * lim.max_count,
         zero=lim.max_requests * cops.pages_per_row(plan, mc),
     )
 

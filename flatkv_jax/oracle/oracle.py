@@ -77,7 +77,7 @@ class RadixOracle:
         lim = plan.limits
         self.max_count = check_positive_int(
             "max_count",
-            max_count if max_count is not None else max(lim.chunk_tokens, lim.decode_tokens),
+            max_count if max_count is not None else lim.max_count,
         )
         self.max_extent = lim.max_context + lim.verify_width
         if not isinstance(tail_first, bool):

@@ -46,7 +46,7 @@ from flatkv_jax.status import Status
 
 PLAN = make_plan(14, c16_state=12)  # tight pools: OUT_OF_PAGES happens often
 R, D = LIMITS.max_requests, 2
-MAX_COUNT = max(LIMITS.chunk_tokens, LIMITS.decode_tokens)
+MAX_COUNT = LIMITS.max_count
 MAX_EXTENT = LIMITS.max_context + LIMITS.verify_width
 
 
