@@ -12,13 +12,13 @@ See docs/oracle.md.
 
 from flatkv_jax.oracle.backend import Backend
 from flatkv_jax.oracle.batches import (
-    AdmitBatch,
     Counts,
-    ExtendBatch,
     Handle,
-    HandleBatch,
     LogicalView,
     OpResult,
+    OracleAdmitBatch,
+    OracleExtendBatch,
+    OracleHandleBatch,
     ReleaseMode,
     admit_batch,
     extend_batch,
@@ -29,17 +29,17 @@ from flatkv_jax.oracle.oracle import RadixOracle
 from flatkv_jax.oracle.traces import Op, OpKind, Trace, TraceConfig, random_trace
 
 __all__ = [
-    "AdmitBatch",
     "Backend",
     "Counts",
     "Divergence",
-    "ExtendBatch",
     "Handle",
-    "HandleBatch",
     "LogicalView",
     "Op",
     "OpKind",
     "OpResult",
+    "OracleAdmitBatch",
+    "OracleExtendBatch",
+    "OracleHandleBatch",
     "RadixOracle",
     "ReleaseMode",
     "RunReport",

@@ -12,12 +12,12 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from flatkv_jax.oracle.batches import (
-    AdmitBatch,
     Counts,
-    ExtendBatch,
-    HandleBatch,
     LogicalView,
     OpResult,
+    OracleAdmitBatch,
+    OracleExtendBatch,
+    OracleHandleBatch,
 )
 from flatkv_jax.plan import CachePlan
 
@@ -35,19 +35,19 @@ class Backend(Protocol):
     def reset(self) -> None:
         """Back to the empty state (every page free, slots free, generations 0, index empty)."""
 
-    def admit(self, batch: AdmitBatch) -> OpResult: ...
+    def admit(self, batch: OracleAdmitBatch) -> OpResult: ...
 
-    def extend(self, batch: ExtendBatch) -> OpResult: ...
+    def extend(self, batch: OracleExtendBatch) -> OpResult: ...
 
-    def retire(self, batch: HandleBatch) -> OpResult:
+    def retire(self, batch: OracleHandleBatch) -> OpResult:
         """``batch.arg`` = accepted tokens of the oldest in-flight step."""
 
-    def rewind(self, batch: HandleBatch) -> OpResult:
+    def rewind(self, batch: OracleHandleBatch) -> OpResult:
         """``batch.arg`` = the new extent."""
 
-    def reclaim(self, batch: HandleBatch) -> OpResult: ...
+    def reclaim(self, batch: OracleHandleBatch) -> OpResult: ...
 
-    def release(self, batch: HandleBatch) -> OpResult:
+    def release(self, batch: OracleHandleBatch) -> OpResult:
         """``batch.arg`` = a :class:`~flatkv_jax.oracle.batches.ReleaseMode`."""
 
     def counts(self) -> Counts: ...

@@ -11,28 +11,18 @@ turn Python rows into padded arrays and reject malformed input with ``ValueError
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
 
+# The release modes are the coordinator's own (one enum, the same codes on both sides).
+from flatkv_jax.coordinator.batches import ReleaseMode as ReleaseMode
 from flatkv_jax.errors import fail
 from flatkv_jax.plan import CachePlan, check_plan
 
 _I32 = np.int32
 _TOKEN_MAX = 2**31 - 1
-
-
-class ReleaseMode(enum.IntEnum):
-    """How ``release`` ends a request (docs/semantics.md); same codes as the coordinator."""
-
-    #: Publish the complete committed blocks, then free.
-    FINISH = 0
-    #: Free and publish nothing (nor do the request's in-flight steps).
-    ABORT = 1
-    #: Preempt: like FINISH for the cache, so a readmission hits its own prefix.
-    RETRACT = 2
 
 
 class Handle(NamedTuple):
@@ -43,7 +33,7 @@ class Handle(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class AdmitBatch:
+class OracleAdmitBatch:
     """New requests.
 
     Attributes:
@@ -63,7 +53,7 @@ class AdmitBatch:
 
 
 @dataclasses.dataclass(frozen=True)
-class ExtendBatch:
+class OracleExtendBatch:
     """Next-step tokens of running requests.
 
     Attributes:
@@ -82,7 +72,7 @@ class ExtendBatch:
 
 
 @dataclasses.dataclass(frozen=True)
-class HandleBatch:
+class OracleHandleBatch:
     """Handles plus one int argument per row.
 
     ``arg`` is ``accepted`` for ``retire``, the new extent for ``rewind``, a
@@ -243,8 +233,8 @@ def admit_batch(
     rows: Sequence[tuple[int, Sequence[int], int] | None],
     *,
     size: int | None = None,
-) -> AdmitBatch:
-    """Builds an :class:`AdmitBatch`.
+) -> OracleAdmitBatch:
+    """Builds an :class:`OracleAdmitBatch`.
 
     Args:
       plan: the cache plan (sizes the token axis: ``max_context``).
@@ -254,7 +244,7 @@ def admit_batch(
     plan = check_plan(plan)
     b = _batch_size(plan, rows, size)
     width = plan.limits.max_context
-    out = AdmitBatch(
+    out = OracleAdmitBatch(
         valid=np.zeros(b, bool),
         namespace=np.zeros(b, _I32),
         tokens=np.zeros((b, width), _I32),
@@ -287,8 +277,8 @@ def extend_batch(
     rows: Sequence[tuple[tuple[int, int], Sequence[int]] | None],
     *,
     size: int | None = None,
-) -> ExtendBatch:
-    """Builds an :class:`ExtendBatch`.
+) -> OracleExtendBatch:
+    """Builds an :class:`OracleExtendBatch`.
 
     Args:
       plan: the cache plan (sizes the token axis: ``limits.step_tokens``).
@@ -298,7 +288,7 @@ def extend_batch(
     plan = check_plan(plan)
     b = _batch_size(plan, rows, size)
     width = plan.limits.step_tokens
-    out = ExtendBatch(
+    out = OracleExtendBatch(
         valid=np.zeros(b, bool),
         slot=np.zeros(b, _I32),
         generation=np.zeros(b, _I32),
@@ -329,8 +319,8 @@ def handle_batch(
     rows: Sequence[tuple[tuple[int, int], int] | tuple[int, int] | None],
     *,
     size: int | None = None,
-) -> HandleBatch:
-    """Builds a :class:`HandleBatch` for ``retire``, ``rewind``, ``release`` or ``reclaim``.
+) -> OracleHandleBatch:
+    """Builds a :class:`OracleHandleBatch` for ``retire``, ``rewind``, ``release`` or ``reclaim``.
 
     Args:
       plan: the cache plan.
@@ -340,7 +330,7 @@ def handle_batch(
     """
     plan = check_plan(plan)
     b = _batch_size(plan, rows, size)
-    out = HandleBatch(
+    out = OracleHandleBatch(
         valid=np.zeros(b, bool),
         slot=np.zeros(b, _I32),
         generation=np.zeros(b, _I32),

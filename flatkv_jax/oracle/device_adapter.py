@@ -27,12 +27,12 @@ import numpy as np
 from flatkv_jax import coordinator as coord
 from flatkv_jax.errors import fail
 from flatkv_jax.oracle.batches import (
-    AdmitBatch,
     Counts,
-    ExtendBatch,
-    HandleBatch,
     LogicalView,
     OpResult,
+    OracleAdmitBatch,
+    OracleExtendBatch,
+    OracleHandleBatch,
     empty_result,
 )
 from flatkv_jax.plan import CachePlan, check_plan
@@ -128,7 +128,7 @@ class DeviceBackend:
             getattr(out, f)[:] = np.asarray(getattr(r, f))
         return out
 
-    def admit(self, batch: AdmitBatch) -> OpResult:
+    def admit(self, batch: OracleAdmitBatch) -> OpResult:
         kw = dict(
             valid=jnp.asarray(batch.valid),
             prompt_len=jnp.asarray(batch.prompt_len, _I32),
@@ -140,7 +140,7 @@ class DeviceBackend:
             )
         return self._step(coord.admit, coord.AdmitBatch(**kw), {})
 
-    def extend(self, batch: ExtendBatch) -> OpResult:
+    def extend(self, batch: OracleExtendBatch) -> OpResult:
         kw = dict(
             valid=jnp.asarray(batch.valid),
             slot=jnp.asarray(batch.slot, _I32),
@@ -157,29 +157,29 @@ class DeviceBackend:
         out.status[:] = np.asarray(r.status)
         return out
 
-    def _handles(self, batch: HandleBatch) -> dict:
+    def _handles(self, batch: OracleHandleBatch) -> dict:
         return dict(
             valid=jnp.asarray(batch.valid),
             slot=jnp.asarray(batch.slot, _I32),
             generation=jnp.asarray(batch.generation, _I32),
         )
 
-    def retire(self, batch: HandleBatch) -> OpResult:
+    def retire(self, batch: OracleHandleBatch) -> OpResult:
         return self._status_only(
             coord.retire,
             coord.RetireBatch(**self._handles(batch), accepted=jnp.asarray(batch.arg, _I32)),
         )
 
-    def rewind(self, batch: HandleBatch) -> OpResult:
+    def rewind(self, batch: OracleHandleBatch) -> OpResult:
         return self._status_only(
             coord.rewind,
             coord.RewindBatch(**self._handles(batch), extent=jnp.asarray(batch.arg, _I32)),
         )
 
-    def reclaim(self, batch: HandleBatch) -> OpResult:
+    def reclaim(self, batch: OracleHandleBatch) -> OpResult:
         return self._status_only(coord.reclaim, coord.HandleBatch(**self._handles(batch)))
 
-    def release(self, batch: HandleBatch) -> OpResult:
+    def release(self, batch: OracleHandleBatch) -> OpResult:
         return self._status_only(
             coord.release,
             coord.ReleaseBatch(**self._handles(batch), mode=jnp.asarray(batch.arg, _I32)),

@@ -36,12 +36,12 @@ from flatkv_jax import coordinator as coord
 from flatkv_jax.coordinator import ops as cops
 from flatkv_jax.errors import check_positive_int, fail
 from flatkv_jax.oracle.batches import (
-    AdmitBatch,
     Counts,
-    ExtendBatch,
-    HandleBatch,
     LogicalView,
     OpResult,
+    OracleAdmitBatch,
+    OracleExtendBatch,
+    OracleHandleBatch,
     empty_result,
 )
 from flatkv_jax.oracle.differential import Divergence, RunReport, _batch, _Found, _Harness
@@ -336,16 +336,16 @@ class LockstepDevice:
             if bt is None:
                 continue
             inp["valid"][i] = bt.valid
-            if isinstance(bt, AdmitBatch):
+            if isinstance(bt, OracleAdmitBatch):
                 inp["arg"][i] = bt.prompt_len
                 inp["first_chunk"][i] = bt.first_chunk
                 inp["namespace"][i] = bt.namespace
                 inp["tokens"][i] = bt.tokens
-            elif isinstance(bt, ExtendBatch):
+            elif isinstance(bt, OracleExtendBatch):
                 inp["slot"][i], inp["generation"][i] = bt.slot, bt.generation
                 inp["arg"][i] = bt.count
                 inp["step_tokens"][i] = bt.tokens
-            elif isinstance(bt, HandleBatch):
+            elif isinstance(bt, OracleHandleBatch):
                 inp["slot"][i], inp["generation"][i], inp["arg"][i] = bt.slot, bt.generation, bt.arg
         w_slot, w_row, w_val = [], [], []
         for gi in range(len(plan.groups)):

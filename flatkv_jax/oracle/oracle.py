@@ -21,12 +21,12 @@ import numpy as np
 
 from flatkv_jax.errors import check_positive_int, fail
 from flatkv_jax.oracle.batches import (
-    AdmitBatch,
     Counts,
-    ExtendBatch,
-    HandleBatch,
     LogicalView,
     OpResult,
+    OracleAdmitBatch,
+    OracleExtendBatch,
+    OracleHandleBatch,
     ReleaseMode,
     empty_result,
 )
@@ -242,7 +242,7 @@ class RadixOracle:
         self.index.clear()
 
     # --- operations -------------------------------------------------------------------------
-    def admit(self, batch: AdmitBatch) -> OpResult:
+    def admit(self, batch: OracleAdmitBatch) -> OpResult:
         """Claims slots, matches prefixes, allocates first chunks (docs/semantics.md, admit).
 
         Per row: IDLE, BAD_ARG (``prompt_len < 1``, ``first_chunk`` outside ``[0,
@@ -324,7 +324,7 @@ class RadixOracle:
             res.hit[i], res.count[i] = h, count
         return res
 
-    def extend(self, batch: ExtendBatch) -> OpResult:
+    def extend(self, batch: OracleExtendBatch) -> OpResult:
         """Grows tables for the next step's tokens; the first short row stops the rest.
 
         Per row: IDLE, STALE (incl. a pending release), BAD_ARG (repeated slot, count outside
@@ -372,7 +372,7 @@ class RadixOracle:
                 res.status[i], res.count[i] = Status.OK, count
         return res
 
-    def retire(self, batch: HandleBatch) -> OpResult:
+    def retire(self, batch: OracleHandleBatch) -> OpResult:
         """Commits the oldest in-flight step (``arg`` = accepted), publishes, rewinds.
 
         Per row: IDLE, STALE (a pending release is fine here), BAD_ARG (repeated slot),
@@ -405,7 +405,7 @@ class RadixOracle:
                 self._free(slot, req.pending)
         return res
 
-    def rewind(self, batch: HandleBatch) -> OpResult:
+    def rewind(self, batch: OracleHandleBatch) -> OpResult:
         """Lowers extents (``arg`` = new extent); pages are kept, in-flight steps are cut.
 
         Per row: IDLE, STALE (incl. a pending release), BAD_ARG (repeated slot, new extent
@@ -426,7 +426,7 @@ class RadixOracle:
             res.status[i] = Status.OK
         return res
 
-    def reclaim(self, batch: HandleBatch) -> OpResult:
+    def reclaim(self, batch: OracleHandleBatch) -> OpResult:
         """Window groups: slots wholly behind the window of position ``c`` become holes.
 
         Per row: IDLE, STALE (a pending release may still reclaim), BAD_ARG (repeated slot),
@@ -447,7 +447,7 @@ class RadixOracle:
             res.status[i] = Status.OK
         return res
 
-    def release(self, batch: HandleBatch) -> OpResult:
+    def release(self, batch: OracleHandleBatch) -> OpResult:
         """Ends requests (``arg`` = :class:`ReleaseMode`); deferred while steps are in flight.
 
         Per row: IDLE, STALE (incl. a release already pending), BAD_ARG (repeated slot,
