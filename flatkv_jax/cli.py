@@ -12,6 +12,7 @@ Bad input is one line on stderr naming the flag as typed, the rule and the fix (
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -126,7 +127,17 @@ def _plan_command(args: argparse.Namespace) -> int:
             name=args.model,
         )
     report = memory_report(plan)
-    print(report.to_json() if args.json else report)
+    if args.ranks is None:
+        print(report.to_json() if args.json else report)
+        return 0
+    # Data-parallel ranks: the plan above is one rank's (--hbm is a per-device budget).
+    from flatkv_jax.sharding import rank_capacity
+
+    ranks = rank_capacity(plan, args.ranks)
+    if args.json:
+        print(json.dumps({**report.to_dict(), "ranks": ranks.to_dict()}, indent=2))
+    else:
+        print(f"{report}\n\n{ranks}")
     return 0
 
 
@@ -217,6 +228,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=INDEXER_FORMATS,
         default=None,
         help="indexer key format (default mxfp4)",
+    )
+    p.add_argument(
+        "--ranks",
+        type=whole_number("--ranks", 1),
+        default=None,
+        help="data-parallel ranks (one device each): the plan is per rank; also print "
+        "per-rank and total capacity",
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_plan_command)

@@ -89,8 +89,10 @@ def _state_maker(plan, mesh, fifo_depth, deferred_blocks, prefix):
         return jax.tree.map(lambda x: x[None], state)
 
     spec = P(RANK_AXIS)
+    # out_shardings: on a mesh of one, jit would otherwise report the outputs as P().
     return jax.jit(
-        jax.shard_map(one_rank, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+        jax.shard_map(one_rank, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False),
+        out_shardings=rank_sharding(mesh),
     )
 
 

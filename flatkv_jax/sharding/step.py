@@ -67,7 +67,10 @@ class RankStep:
             return mapped(*(args[i] for i in dyn))
 
         self.jitted = jax.jit(
-            run, static_argnums=tuple(sorted(static)), donate_argnums=tuple(sorted(donate))
+            run,
+            static_argnums=tuple(sorted(static)),
+            donate_argnums=tuple(sorted(donate)),
+            out_shardings=self._sharding,  # every output leaf is stacked over the ranks
         )
 
     def check(self, *args) -> None:
@@ -111,20 +114,21 @@ class RankStep:
                     fail(
                         f"args[{i}]",
                         f"a CacheState of plan key {a.layout.plan_key}",
-                        f"the state must belong to the step's plan {plan.name!r} (key "
+                        "the state must belong to the step's plan (key "
                         f"{state_layout(plan).plan_key})",
                         "create it with create_state_sharded(plan, mesh) for this plan",
                     )
                 if isinstance(a, Pools):
-                    want = jax.tree.map(lambda s: (n, *s.shape), pool_specs(plan))
-                    got = jax.tree.map(lambda x: tuple(x.shape), a.arrays)
-                    if jax.tree.leaves(want) != jax.tree.leaves(got) or jax.tree.structure(
-                        want
-                    ) != jax.tree.structure(jax.tree.map(lambda x: 0, a.arrays)):
+                    want = [((n, *x.shape), x.dtype) for x in jax.tree.leaves(pool_specs(plan))]
+                    got = [(tuple(x.shape), x.dtype) for x in jax.tree.leaves(a)]
+                    if want != got:
                         fail(
                             f"args[{i}]",
-                            "Pools of another plan",
-                            f"the pools must have the shapes of plan {plan.name!r} over {n} ranks",
+                            f"Pools of {len(got)} arrays, the first of shape "
+                            f"{got[0][0] if got else None}",
+                            f"the pools must have the shapes of the step's plan "
+                            f"{plan.name or state_layout(plan).plan_key} over {n} ranks "
+                            f"({len(want)} arrays, the first of shape {want[0][0]})",
                             "create them with create_pools_sharded(plan, mesh) for this plan",
                         )
 
