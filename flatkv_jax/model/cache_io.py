@@ -218,8 +218,11 @@ def columns(plan: CachePlan, max_count: int | None) -> tuple[tuple[int, int], ..
 
 
 # --- validation (trace time: shapes and dtypes only) -------------------------------------------
-def check_plan(cfg: ModelConfig, plan: CachePlan) -> None:
-    """Raises unless ``plan`` holds exactly the groups of ``cfg`` (at the plan's verify width)."""
+def check_model_plan(cfg: ModelConfig, plan: CachePlan) -> None:
+    """Raises unless ``plan`` holds exactly the groups of ``cfg`` (at the plan's verify width).
+
+    (Not :func:`flatkv_jax.plan.check_plan`, which checks that a value is a plan.)
+    """
     if not isinstance(cfg, ModelConfig):
         fail(
             "cfg",
@@ -314,7 +317,7 @@ def check_step_inputs(
     max_count: int | None = None,
 ) -> None:
     """Raises ValueError/TypeError for step inputs whose shapes or dtypes do not fit ``plan``."""
-    check_plan(cfg, plan)
+    check_model_plan(cfg, plan)
     check_pools(plan, pools)
     if not isinstance(batch, StepBatch):
         fail(
@@ -341,7 +344,7 @@ def check_draft_inputs(
     max_count: int | None = None,
 ) -> None:
     """Raises ValueError/TypeError for ``propose`` inputs that do not fit ``cfg`` and ``plan``."""
-    check_plan(cfg, plan)
+    check_model_plan(cfg, plan)
     check_draft_config(cfg, num_draft)
     check_pools(plan, pools)
     if not isinstance(batch, DraftBatch):
@@ -451,3 +454,7 @@ def check_token_ids(tokens) -> jax.Array:
             "pass jnp.asarray(ids, jnp.int32)",
         )
     return tokens
+
+
+#: The former name of :func:`check_model_plan`, kept for existing callers.
+check_plan = check_model_plan

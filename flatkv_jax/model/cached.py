@@ -27,6 +27,7 @@ from flatkv_jax.model.cache_io import (
     StepOutput,
     check_draft_config,
     check_metadata,
+    check_model_plan,
     check_plan,
     check_pools,
     check_step_inputs,
@@ -45,6 +46,7 @@ __all__ = [
     "StepBatch",
     "StepOutput",
     "check_metadata",
+    "check_model_plan",
     "check_plan",
     "check_pools",
     "check_step_inputs",
@@ -80,7 +82,7 @@ def step(
     Returns:
       ``(StepOutput, pools)``.
     """
-    check_plan(cfg, plan)
+    check_model_plan(cfg, plan)
     model = DeepSeekV4.from_params(cfg, params)
     return model.step(pools, batch, meta, table_buffer, plan=plan, max_count=max_count, impl=impl)
 
@@ -101,7 +103,7 @@ def propose(
 ) -> tuple[DraftOutput, Pools]:
     """:meth:`DeepSeekV4.propose <flatkv_jax.model.DeepSeekV4.propose>` of the model holding
     ``params`` (``num_draft`` required here)."""
-    check_plan(cfg, plan)
+    check_model_plan(cfg, plan)
     check_draft_config(cfg, num_draft)
     model = DeepSeekV4.from_params(cfg, params)
     return model.propose(
@@ -132,7 +134,7 @@ def make_step(
     use the returned pools. Every batch composition of the plan's fixed shapes reuses one
     compilation (per metadata row count, i.e. per tuple of results given to ``step_metadata``).
     """
-    check_plan(cfg, plan)
+    check_model_plan(cfg, plan)
     impl, interpret = resolve_kernels(impl, interpret)
     mc = resolve_max_count(plan, max_count)
     return jax.jit(
@@ -155,7 +157,7 @@ def make_propose(
 
     ``num_draft`` defaults to ``plan.limits.verify_width``.
     """
-    check_plan(cfg, plan)
+    check_model_plan(cfg, plan)
     k = plan.limits.verify_width if num_draft is None else num_draft
     impl, interpret = resolve_kernels(impl, interpret)
     mc = resolve_max_count(plan, max_count)
