@@ -1,11 +1,11 @@
 """BlockPoolSet: the page allocator of every pool of a plan at once (free stacks + refcounts).
 
 All pools live in three flat arrays with static per-pool offsets (:class:`PoolLayout`), so one
-call allocates or releases pages in every pool with a handful of vectorised XLA ops instead of
+call allocates or returns pages in every pool with a handful of vectorised XLA ops instead of
 a handful per pool — on CPU each op costs about a microsecond whatever its size, so ops across
 G pools must not multiply by G.
 
-Every function costs O(pages touched) — the pages taken or released by the call, bounded by
+Every function costs O(pages touched) — the pages taken or returned by the call, bounded by
 the static shapes of its arguments — and never scans a pool: a pool of 1M pages costs the same
 per call as one of 16k pages (the arrays are donated, so XLA updates them in place).
 
@@ -17,7 +17,7 @@ Allocation order: pages are popped from the top of the pool's free stack. A pool
 short of free pages evicts cached-only pages (LRU, :mod:`flatkv_jax.prefix.lru`): the
 coordinator decides the served rows against :func:`evictable_pages` with :func:`fit`, evicts
 the shortfall, drops the evicted pages' index reference with :func:`decref` (which pushes them
-onto the stack) and then pops with :func:`acquire`.
+onto the stack) and then pops with :func:`allocate`.
 """
 
 from __future__ import annotations
@@ -121,8 +121,8 @@ def evictable_pages(top: jax.Array, cached: jax.Array, pinned_cached: jax.Array)
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Acquired:
-    """What :func:`acquire` decided for a batch.
+class Allocation:
+    """What :func:`allocate` decided for a batch.
 
     Attributes:
       served: ``bool[B]``, rows that got every page they asked for in every pool.
@@ -151,7 +151,7 @@ def fit(
 
     Returns:
       ``(served bool[B], short_group int32[B], short_pages int32[B], total int32[G])``:
-      see :class:`Acquired`; ``total`` is the pages the served rows take per pool.
+      see :class:`Allocation`; ``total`` is the pages the served rows take per pool.
     """
     b = needs.shape[0]
     needs = jnp.where(want[:, None], needs, 0)
@@ -170,15 +170,15 @@ def fit(
     return served, short_group, short_pages, total
 
 
-def acquire(
-    pools: BlockPoolSet,
+def allocate(
+    allocator: BlockPoolSet,
     layout: PoolLayout,
     needs: jax.Array,
     want: jax.Array,
     k: int,
     avail: jax.Array | None = None,
-) -> tuple[BlockPoolSet, Acquired]:
-    """Atomic multi-pool acquire for a batch of requests, served in batch order.
+) -> tuple[BlockPoolSet, Allocation]:
+    """Atomic multi-pool allocation for a batch of requests, served in batch order.
 
     Rows are served in order; the first row whose needs do not all fit (given the rows served
     before it) and every later row are not served, and no pool changes for them. Pages taken
@@ -190,7 +190,7 @@ def acquire(
     with ``want = served``: every served row then fits the stacks alone.
 
     Args:
-      pools: the allocator (donated by the caller's jit).
+      allocator: the allocator (donated by the caller's jit).
       layout: its static layout.
       needs: ``int32[B, G]``, pages each row needs in each pool (``0 <= needs <= k``).
       want: ``bool[B]``, rows that ask for pages (others are ignored and not served).
@@ -198,41 +198,41 @@ def acquire(
       avail: ``int32[G]``, supply for the FIFO rule (default: the free stacks).
 
     Returns:
-      The new allocator and an :class:`Acquired`. Cost: O(B * G * k), independent of pool size.
+      The new allocator and an :class:`Allocation`. Cost: O(B * G * k), independent of pool size.
     """
     needs = jnp.where(want[:, None], needs, 0)
     excl = jnp.cumsum(needs, axis=0, dtype=_I32) - needs
     served, short_group, short_pages, total = fit(
-        needs, want, pools.top if avail is None else avail
+        needs, want, allocator.top if avail is None else avail
     )
     need = jnp.where(served[:, None], needs, 0)  # [B, G]
     j = jnp.arange(k, dtype=_I32)[None, None, :]
     take = j < need[:, :, None]  # [B, G, K]
     stack_off = jnp.asarray(layout.stack_offset, _I32)[None, :, None]
-    pos = stack_off + pools.top[None, :, None] - 1 - excl[:, :, None] - j
-    pages = jnp.where(take, pools.free_ids[jnp.clip(pos, 0, layout.total_usable - 1)], -1)
+    pos = stack_off + allocator.top[None, :, None] - 1 - excl[:, :, None] - j
+    pages = jnp.where(take, allocator.free_ids[jnp.clip(pos, 0, layout.total_usable - 1)], -1)
     page_off = jnp.asarray(layout.page_offset, _I32)[None, :, None]
     flat = jnp.where(take, page_off + pages, layout.total_pages)
-    refcount = pools.refcount.at[flat].set(1, mode="drop")
-    top = pools.top - total
-    return BlockPoolSet(pools.free_ids, top, refcount), Acquired(
+    refcount = allocator.refcount.at[flat].set(1, mode="drop")
+    top = allocator.top - total
+    return BlockPoolSet(allocator.free_ids, top, refcount), Allocation(
         served, short_group, short_pages, pages
     )
 
 
 def incref(
-    pools: BlockPoolSet, layout: PoolLayout, group: jax.Array, pages: jax.Array
+    allocator: BlockPoolSet, layout: PoolLayout, group: jax.Array, pages: jax.Array
 ) -> BlockPoolSet:
     """Adds one reference to page ``pages[i]`` of pool ``group[i]`` (pages < 1 skip; a page
     listed twice gains two). For pages that gain a reference while held (prefix hits, issue 5).
     """
     flat = _flat_ids(layout, group, pages)
-    rc = pools.refcount.at[jnp.where(flat >= 0, flat, layout.total_pages)].add(1, mode="drop")
-    return BlockPoolSet(pools.free_ids, pools.top, rc)
+    rc = allocator.refcount.at[jnp.where(flat >= 0, flat, layout.total_pages)].add(1, mode="drop")
+    return BlockPoolSet(allocator.free_ids, allocator.top, rc)
 
 
 def decref(
-    pools: BlockPoolSet, layout: PoolLayout, group: jax.Array, pages: jax.Array
+    allocator: BlockPoolSet, layout: PoolLayout, group: jax.Array, pages: jax.Array
 ) -> tuple[BlockPoolSet, jax.Array]:
     """Drops one reference per listed page and pushes pages that reach 0 onto their free stack.
 
@@ -246,7 +246,7 @@ def decref(
     read chain, or a read used only after the write, would make XLA copy the whole array.
 
     Args:
-      pools: the allocator (donated by the caller's jit).
+      allocator: the allocator (donated by the caller's jit).
       layout: its static layout.
       group: ``int32[T]``, the pool of each listing.
       pages: ``int32[T]``, page ids within that pool; ids < 1 skip.
@@ -254,31 +254,31 @@ def decref(
     Returns:
       The new allocator and ``int32[G]``, pages freed per pool.
     """
-    pools, freed, _ = decref_left(pools, layout, group, pages)
-    return pools, freed
+    allocator, freed, _ = decref_left(allocator, layout, group, pages)
+    return allocator, freed
 
 
 def decref_left(
-    pools: BlockPoolSet, layout: PoolLayout, group: jax.Array, pages: jax.Array
+    allocator: BlockPoolSet, layout: PoolLayout, group: jax.Array, pages: jax.Array
 ) -> tuple[BlockPoolSet, jax.Array, jax.Array]:
     """:func:`decref`, also returning ``int32[T]``: each listed page's references left after
     the call (-1 for skipped listings) — a page left with only the prefix index's reference
     became cached-only. Returned rather than read back, which would copy the refcounts."""
     flat = _flat_ids(layout, group, pages).reshape(-1)
     group = group.reshape(-1)
-    old = pools.refcount[jnp.clip(flat, 0, layout.total_pages - 1)]
+    old = allocator.refcount[jnp.clip(flat, 0, layout.total_pages - 1)]
     shared = jnp.any((flat >= 0) & (old > 1))
     # The cond only plans (listing-sized outputs); the refcounts and the stacks are written
     # once, after it: a cond whose two branches both write a buffer makes XLA copy the buffer
     # (every refcount and stack of every pool, on every call).
     target, new, push_flat, push_group, win, left = jax.lax.cond(
         shared,
-        lambda: _plan_sorted(pools, layout, flat, group),
+        lambda: _plan_sorted(allocator, layout, flat, group),
         lambda: _plan_unique(layout, flat, group, old),
     )
-    rc = pools.refcount.at[target].set(new, mode="drop")
-    pools, freed = _push(pools, layout, rc, push_flat, push_group, win)
-    return pools, freed, left
+    rc = allocator.refcount.at[target].set(new, mode="drop")
+    allocator, freed = _push(allocator, layout, rc, push_flat, push_group, win)
+    return allocator, freed, left
 
 
 def _plan_unique(layout: PoolLayout, flat, group, old):
@@ -289,7 +289,7 @@ def _plan_unique(layout: PoolLayout, flat, group, old):
     return target, new, flat, group, valid & (new == 0), jnp.where(valid, new, -1)
 
 
-def _plan_sorted(pools: BlockPoolSet, layout: PoolLayout, flat, group):
+def _plan_sorted(allocator: BlockPoolSet, layout: PoolLayout, flat, group):
     """Pages may be listed several times: sort the listing so each page is written once."""
     t = flat.shape[0]
     big = jnp.iinfo(_I32).max
@@ -301,7 +301,7 @@ def _plan_sorted(pools: BlockPoolSet, layout: PoolLayout, flat, group):
     # Listings of each page: from its first listing to the next page's first listing.
     next_first = jax.lax.cummin(jnp.where(first, idx, t), axis=0, reverse=True)
     next_first = jnp.concatenate([next_first[1:], jnp.full((1,), t, _I32)])
-    new = pools.refcount[jnp.clip(ps, 0, layout.total_pages - 1)] - (next_first - idx)
+    new = allocator.refcount[jnp.clip(ps, 0, layout.total_pages - 1)] - (next_first - idx)
     lead = valid & first
     run_lead = jax.lax.cummax(jnp.where(first, idx, 0), axis=0)
     left = jnp.where(valid, new[run_lead], -1)
@@ -309,7 +309,7 @@ def _plan_sorted(pools: BlockPoolSet, layout: PoolLayout, flat, group):
     return target, new, ps, gs, lead & (new == 0), jnp.zeros((t,), _I32).at[orig].set(left)
 
 
-def _push(pools: BlockPoolSet, layout: PoolLayout, rc, flat, group, win):
+def _push(allocator: BlockPoolSet, layout: PoolLayout, rc, flat, group, win):
     """Pushes the pages of ``win`` (flat ids, listings grouped by pool) onto their stacks."""
     win_i = win.astype(_I32)
     excl = jnp.cumsum(win_i, dtype=_I32) - win_i
@@ -324,12 +324,18 @@ def _push(pools: BlockPoolSet, layout: PoolLayout, rc, flat, group, win):
         .at[jnp.where(win, g_safe, layout.num_pools)]
         .add(1, mode="drop")
     )
-    slot = jnp.where(win, stack_off[g_safe] + pools.top[g_safe] + rank, layout.total_usable)
-    free_ids = pools.free_ids.at[slot].set(flat - page_off[g_safe], mode="drop")
-    return BlockPoolSet(free_ids, pools.top + freed, rc), freed
+    slot = jnp.where(win, stack_off[g_safe] + allocator.top[g_safe] + rank, layout.total_usable)
+    free_ids = allocator.free_ids.at[slot].set(flat - page_off[g_safe], mode="drop")
+    return BlockPoolSet(free_ids, allocator.top + freed, rc), freed
 
 
 def _flat_ids(layout: PoolLayout, group: jax.Array, pages: jax.Array) -> jax.Array:
     """Flat refcount index of (pool, page), or -1 for pages < 1 (never the null page)."""
     page_off = jnp.asarray(layout.page_offset, _I32)
     return jnp.where(pages > 0, page_off[jnp.clip(group, 0, layout.num_pools - 1)] + pages, -1)
+
+
+# Former names, kept while callers move to allocate/Allocation (the glossary keeps "acquire"
+# and "release" away from the allocator).
+acquire = allocate
+Acquired = Allocation

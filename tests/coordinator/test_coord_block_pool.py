@@ -1,4 +1,4 @@
-"""The per-pool allocator: atomic in-order acquire, dedup on release, no pool-sized copies."""
+"""The per-pool allocator: atomic in-order allocation, dedup on return, no pool-sized copies."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from coordinator_cases import PLAN
 
 from flatkv_jax import ServingLimits, plan_with_pages
-from flatkv_jax.block_pool import PoolLayout, acquire, create_block_pool_set, decref, incref
+from flatkv_jax.block_pool import PoolLayout, allocate, create_block_pool_set, decref, incref
 from flatkv_jax.coordinator import create_state, host, ops
 from flatkv_jax.recipes import hybrid_swa_groups
 
@@ -19,7 +19,7 @@ def _free(pools, layout, g):
 
 
 LAYOUT = PoolLayout((6, 7))  # 4 and 5 usable pages
-acquire_j = jax.jit(acquire, static_argnums=(1, 4))
+allocate_j = jax.jit(allocate, static_argnums=(1, 4))
 decref_j = jax.jit(decref, static_argnums=1)
 incref_j = jax.jit(incref, static_argnums=1)
 
@@ -28,7 +28,7 @@ def test_acquire_serves_a_prefix_and_changes_nothing_for_the_rest():
     pools = create_block_pool_set(LAYOUT)
     needs = jnp.asarray([[2, 1], [0, 0], [3, 0], [1, 1]], jnp.int32)
     want = jnp.asarray([True, False, True, True])
-    new, got = acquire_j(pools, LAYOUT, needs, want, 3)
+    new, got = allocate_j(pools, LAYOUT, needs, want, 3)
     assert got.served.tolist() == [True, False, False, False]
     assert got.short_group.tolist() == [-1, -1, 0, -1] and got.short_pages.tolist() == [0, 0, 1, 0]
     assert got.pages[0].tolist() == [[1, 2, -1], [1, -1, -1]]
@@ -40,7 +40,7 @@ def test_acquire_serves_a_prefix_and_changes_nothing_for_the_rest():
 
 def test_decref_pushes_a_shared_page_once_onto_its_own_stack():
     pools = create_block_pool_set(LAYOUT)
-    pools, _ = acquire_j(pools, LAYOUT, jnp.asarray([[3, 2]], jnp.int32), jnp.asarray([True]), 3)
+    pools, _ = allocate_j(pools, LAYOUT, jnp.asarray([[3, 2]], jnp.int32), jnp.asarray([True]), 3)
     g0, g1 = jnp.zeros((3,), jnp.int32), jnp.ones((3,), jnp.int32)
     pools = incref_j(
         pools, LAYOUT, g0, jnp.asarray([2, 2, -1], jnp.int32)
@@ -60,7 +60,7 @@ def test_decref_pushes_a_shared_page_once_onto_its_own_stack():
 
 def test_decref_of_sole_references_in_two_pools():
     pools = create_block_pool_set(LAYOUT)
-    pools, got = acquire_j(pools, LAYOUT, jnp.asarray([[3, 4]], jnp.int32), jnp.asarray([True]), 4)
+    pools, got = allocate_j(pools, LAYOUT, jnp.asarray([[3, 4]], jnp.int32), jnp.asarray([True]), 4)
     group = jnp.asarray([0, 0, 0, 1, 1, 1], jnp.int32)  # grouped by pool, as sweeps list them
     pages = jnp.asarray([3, -1, 1, 4, 2, 0], jnp.int32)
     pools, freed = decref_j(pools, LAYOUT, group, pages)
