@@ -1,11 +1,13 @@
 """Weak scaling of the sharded decode step over 1, 2, 4, 8 data-parallel ranks.
 
 Each rank runs the same single-rank step (``flatkv_jax.sharding.per_rank``): retire the
-previous step (publishing its blocks to the prefix index), extend every request by a
+previous step (publishing its blocks to the prefix index), reclaim, extend every request by a
 speculative decode step (``1 + verify`` tokens, token ids given, prefix on), build the step
 metadata, zero recycled pages and write every token's rows with the reference write kernels.
 The per-device batch is fixed (``--batch`` requests per rank), so with perfect scaling the
 step time stays flat as ranks are added; the ratios to one rank are printed.
+
+Window slots behind the window are reclaimed every step, as a serving loop does.
 
 The script makes ``--devices`` virtual CPU devices (``XLA_FLAGS``) before importing JAX. On
 CPU the virtual devices share the machine's cores, so this measures the overhead of the
@@ -103,9 +105,11 @@ def admit_step(plan, state, pools, admit):
     return state, write_step(plan, pools, step_metadata_fn(plan, state, (res,))), res
 
 
-def decode_step(plan, state, pools, retire, extend):
-    """One rank's decode step: retire the last step, extend by 1 + verify, write."""
+def decode_step(plan, state, pools, retire, reclaim, extend):
+    """One rank's decode step: retire the last step, drop window slots behind the window,
+    extend by 1 + verify, write."""
     state, r_ret = ops.retire_fn(plan, state, retire)
+    state, _ = ops.reclaim_fn(plan, state, reclaim)
     state, r_ext = ops.extend_fn(plan, state, extend)
     meta = step_metadata_fn(plan, state, (r_ext,))
     return state, write_step(plan, pools, meta), (r_ret.status, r_ext.status)
@@ -135,10 +139,11 @@ def bench(n: int, plan, args) -> tuple[float, float]:
     ext = stacked(host.extend_batch(plan, [(h, d) for h in handles], b, tokens=[[7] * d] * b), mesh)
     first = stacked(host.retire_batch(plan, [(h, p) for h in handles], b), mesh)
     again = stacked(host.retire_batch(plan, [(h, d) for h in handles], b), mesh)
+    reclaim = stacked(host.handle_batch(plan, handles, b), mesh)
     times = []
     for i in range(args.steps + 2):  # two warm-up steps (the first compiles)
         t0 = time.perf_counter()
-        state, pools, st = step(plan, state, pools, first if i == 0 else again, ext)
+        state, pools, st = step(plan, state, pools, first if i == 0 else again, reclaim, ext)
         jax.block_until_ready(st)
         times.append(time.perf_counter() - t0)
     st = np.asarray(st[0]), np.asarray(st[1])

@@ -40,7 +40,7 @@ class RankReport:
 
     def __str__(self) -> str:
         n = self.n_ranks
-        w = max(len(k) for k in self.pages)
+        w = max(len(k) for k in (*self.pages, "device bytes"))
         lines = [
             f"data-parallel ranks: {n} (one device each; page ids rank-local; no traffic "
             "between ranks)",
