@@ -11,7 +11,7 @@ Cost model (no operation scans a pool or a whole table):
 - admit/extend: ``O(B * G * K)`` with ``K = ceil(max_count / smallest block_tokens)``, the
   most pages one row can take in a pool, plus ``O(max_requests)`` for admit's slot search.
 - reclaim/release/deferred release: ``O(entries changed)`` through a ``lax.while_loop`` over
-  fixed-size chunks of the flattened (row, table slot) segments that change; a release touches
+  fixed-size chunks of the flattened (row, table column) segments that change; a release touches
   ``[0, hi)`` of each of the request's rows (its pages, and its holes which become -1).
 - retire/rewind: ``O(B * fifo_depth)``.
 
@@ -114,7 +114,7 @@ def admit_fn(
     ``first_chunk > 0``, one in-flight step ``(h, first_chunk)``.
     With ``batch.tokens`` the prompt is matched against the prefix index first: ``h`` is the
     hit (docs/semantics.md, "Prefix reuse"), its pages are shared (+1 reference, out of the
-    LRU), window slots before the trailing run are holes, and the supply of the in-order rule
+    LRU), window columns before the trailing run are holes, and the supply of the in-order rule
     is free + unpinned cached-only pages (matched pages are pinned for the call). Without
     tokens ``h = 0``.
 
@@ -258,7 +258,7 @@ def _record_prefix_admission(
     m,
     listing,
 ) -> CacheState:
-    """Served rows take their hit pages; window slots before the trailing run become holes;
+    """Served rows take their hit pages; window columns before the trailing run become holes;
     the request's chain state, namespace and first step's tokens are recorded."""
     lay = state_layout(plan)
     bt = per_group(lay.block_tokens)[None, :]
@@ -321,7 +321,7 @@ def extend_fn(
     slot, ``count`` outside ``[1, max_count]``), ``FIFO_FULL``, ``TOO_LONG`` (``n + count >
     max_context + verify_width``), ``STEP_FULL`` (the tokens would pass the step's
     ``step_tokens``; FIFO rule), ``OUT_OF_PAGES`` (FIFO rule), else ``OK``: every group gets
-    the blocks ``[hi, ceil((n + count) / B))`` (history: every new slot; window: every slot the
+    the blocks ``[hi, ceil((n + count) / B))`` (history: every new column; window: every column the
     new positions touch), ``n += count`` and the step ``(n_old, count)`` joins the FIFO.
 
     Args:
@@ -561,11 +561,11 @@ def rewind_fn(
 def reclaim_fn(
     plan: CachePlan, state: CacheState, batch: HandleBatch
 ) -> tuple[CacheState, ReclaimResult]:
-    """Window groups: slots wholly behind the window of ``committed`` become holes (0).
+    """Window groups: columns wholly behind the window of ``committed`` become holes (0).
 
-    Slot ``i`` of a window group with window ``W`` and span ``B`` is dropped iff
+    Column ``i`` of a window group with window ``W`` and span ``B`` is dropped iff
     ``i < lo = max(0, (committed - W + 1) // B)``; its page is decref'd (freed unless the
-    prefix index holds it). Cost O(slots dropped).
+    prefix index holds it). Cost O(columns dropped).
 
     Per row: ``IDLE``, ``STALE``, ``BAD_ARG`` (repeated slot), else ``OK`` (a request whose
     release is pending may still reclaim).

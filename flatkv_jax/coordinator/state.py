@@ -11,8 +11,8 @@ Per request slot ``s`` (``R = max_requests`` slots):
   release waits for the request's in-flight steps (the request takes no new steps).
 - ``extent[s]`` (``n``) and ``committed[s]`` (``c``), ``c <= n``.
 - per group ``g``: the table row ``table(plan, state, g)[s, :]`` (``-1`` unallocated, ``0``
-  hole, ``>= 1`` a page of the group's pool), ``lo[g, s]`` and ``hi[g, s]``: slots ``[0, lo)``
-  are holes (window groups after reclaim), slots ``[lo, hi)`` hold pages, slots
+  hole, ``>= 1`` a page of the group's pool), ``lo[g, s]`` and ``hi[g, s]``: columns ``[0, lo)``
+  are holes (window groups after reclaim), columns ``[lo, hi)`` hold pages, columns
   ``[hi, width)`` are -1. ``hi`` can exceed ``ceil(n / block_tokens)`` after a rewind (pages
   are kept for the next step's overwrite).
 
@@ -99,8 +99,8 @@ class CacheState:
         :attr:`pools`.
       table_buffer: ``int32[sum_g R * table_width(g)]``, every group's table; per-group views:
         :attr:`tables`.
-      lo: ``int32[G, R]``, first slot holding a page (0 for history groups).
-      hi: ``int32[G, R]``, one past the last slot holding a page.
+      lo: ``int32[G, R]``, first column holding a page (0 for history groups).
+      hi: ``int32[G, R]``, one past the last column holding a page.
       generation: ``int32[R]``.
       live: ``bool[R]``.
       pending: ``int32[R]``, 0 or ``1 + ReleaseMode`` of a deferred release.
