@@ -126,6 +126,20 @@ def add_demo_parser(subparsers) -> argparse.ArgumentParser:
         default="reference",
         help="page kernels: plain jnp reference (default) or Pallas",
     )
+    p.add_argument(
+        "--devices",
+        type=_positive_int("--devices"),
+        default=1,
+        help="data-parallel ranks, one device each (default 1); on CPU the demo asks XLA for "
+        "that many virtual host devices (XLA_FLAGS) before JAX starts",
+    )
+    p.add_argument(
+        "--routing",
+        choices=("affinity", "least_loaded"),
+        default="affinity",
+        help="how requests pick a rank with --devices > 1: prefix affinity (default) or "
+        "least loaded (docs/routing.md)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.add_argument(
         "--plot",
@@ -149,6 +163,12 @@ def demo_command(args: argparse.Namespace) -> int:
         except MissingExtraError as e:
             print(f"flatkv: error: {e}", file=sys.stderr)
             return 2
+    if args.devices > 1:
+        try:
+            request_host_devices(args.devices)
+        except ValueError as e:
+            print(f"flatkv: error: {e}", file=sys.stderr)
+            return 2
     try:
         options = DemoOptions(
             model=args.model,
@@ -160,6 +180,8 @@ def demo_command(args: argparse.Namespace) -> int:
             overlap=args.overlap,
             mtp=args.mtp,
             impl=args.impl,
+            devices=args.devices,
+            routing=args.routing,
         )
         prepared = prepare(options)
     except ValueError as e:
@@ -183,6 +205,44 @@ def demo_command(args: argparse.Namespace) -> int:
         if args.plot is not None:
             print(f"figure written to {args.plot}")
     return 0 if report.ok else 1
+
+
+FORCE_DEVICES = "--xla_force_host_platform_device_count"
+
+
+def request_host_devices(n: int) -> int:
+    """Makes ``n`` devices available for ``--devices n``; returns ``jax.device_count()``.
+
+    Before JAX initializes its backend, appends ``--xla_force_host_platform_device_count=n``
+    to ``XLA_FLAGS`` (kept otherwise; a later copy of the flag wins), so the CPU platform
+    is split into ``n`` virtual devices. Importing JAX does not fix the device count, its
+    first use does: the flag works as long as nothing has asked JAX for a device yet.
+
+    Raises:
+      ValueError: fewer than ``n`` devices exist (the backend was already started with
+        fewer, or the platform has fewer); the message names ``--devices`` and the fix.
+    """
+    import os
+
+    import jax
+
+    try:
+        from jax._src import xla_bridge
+
+        started = xla_bridge.backends_are_initialized()
+    except (ImportError, AttributeError):  # a JAX without the probe: set it anyway
+        started = False
+    if not started:
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} {FORCE_DEVICES}={n}".strip()
+    have = jax.device_count()
+    if have < n:
+        raise ValueError(
+            f"--devices {n} is invalid: JAX sees {have} {jax.default_backend()} device(s) "
+            f"(jax.device_count()). Fix: pass --devices {have} or fewer, or run on the CPU "
+            f"with JAX_PLATFORMS=cpu XLA_FLAGS={FORCE_DEVICES}={n} set before JAX starts."
+        )
+    return have
 
 
 class Progress:

@@ -30,6 +30,42 @@ class GroupOccupancy:
 
 
 @dataclasses.dataclass(frozen=True)
+class RankSummary:
+    """One data-parallel rank of the run.
+
+    Attributes:
+      rank: its index.
+      requests: requests (turns) the router sent to it.
+      prompt_tokens, hit_tokens: over its admissions (its own coordinator's hits: a prefix
+        cached on another rank never hits here).
+      occupancy: its pools (usable pages per rank, peak and mean in use).
+    """
+
+    rank: int
+    requests: int
+    prompt_tokens: int
+    hit_tokens: int
+    occupancy: tuple[GroupOccupancy, ...]
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "rank": self.rank,
+            "requests": self.requests,
+            "prompt_tokens": self.prompt_tokens,
+            "hit_tokens": self.hit_tokens,
+            "hit_rate": round(self.hit_rate, 4),
+            "occupancy": {
+                o.name: {"usable": o.usable, "peak": o.peak, "mean": round(o.mean, 2)}
+                for o in self.occupancy
+            },
+        }
+
+
+@dataclasses.dataclass(frozen=True)
 class Parity:
     """The spot parity check against dense, cache-free recompute.
 
@@ -84,6 +120,10 @@ class DemoReport:
       compilations_after_warmup: jit compilations after warm-up (must be 0).
       draft_proposed, draft_accepted: MTP draft tokens verified / accepted.
       parity: the spot parity check (None when no request finished).
+      devices: data-parallel ranks (1: the single-device engine).
+      ranks: per rank: requests, hit rate, pool occupancy (one entry on one device).
+      routing: the router's numbers (policy, requests per rank, balance, keyed requests,
+        routing misses: requests sent away from the rank that served their prefix key).
     """
 
     model: str
@@ -115,6 +155,9 @@ class DemoReport:
     draft_proposed: int
     draft_accepted: int
     parity: Parity | None
+    devices: int = 1
+    ranks: tuple[RankSummary, ...] = ()
+    routing: dict | None = None
 
     # --- derived --------------------------------------------------------------------------
     @property
@@ -227,6 +270,9 @@ class DemoReport:
                 "greedy_mismatches": self.parity.greedy_mismatches,
                 "ok": self.parity.ok,
             },
+            "devices": self.devices,
+            "ranks": [x.to_dict() for x in self.ranks],
+            "routing": None if self.routing is None else dict(self.routing),
             "ok": self.ok,
         }
 
@@ -311,6 +357,21 @@ def format_report(r: DemoReport) -> str:
                 else f"{q.greedy_mismatches} tokens differ"
             )
         )
+    if r.devices > 1:
+        rt = r.routing or {}
+        lines += [
+            f"data-parallel ranks        {r.devices}; routing {rt.get('policy', '-')}: requests "
+            f"per rank {' / '.join(str(x) for x in rt.get('requests_per_rank', ()))} (balance "
+            f"{rt.get('balance', 0):.2f}); prefix misses by routing "
+            f"{rt.get('routing_misses', 0)} of {rt.get('keyed_requests', 0)} keyed requests",
+            f"capacity                   {p['pool_bytes'] / 2**20:.2f} MiB of pools per rank, "
+            f"{p.get('total_pool_bytes', p['pool_bytes']) / 2**20:.2f} MiB total",
+        ]
+        for x in r.ranks:
+            lines.append(
+                f"  rank {x.rank:<3}                {x.requests:>3} requests, hit rate "
+                f"{x.hit_rate:.3f}  ({x.hit_tokens:,} of {x.prompt_tokens:,} prompt tokens)"
+            )
     width = max([len(o.name) for o in r.occupancy] + [5])
     lines += [
         "",
@@ -322,5 +383,18 @@ def format_report(r: DemoReport) -> str:
             f"  {o.name:<{width}}  {o.usable:>7,}  {o.peak:>6,} {_pct(o.peak, o.usable):>5}"
             f"  {o.mean:>8,.1f} {_pct(o.mean, o.usable):>5}"
         )
+    if r.devices > 1 and r.ranks:
+        head = "".join(f"  {'rank ' + str(x.rank):>12}" for x in r.ranks)
+        lines += [
+            "",
+            "pool occupancy per rank (peak pages in use, of usable per rank)",
+            f"  {'group':<{width}}  {'usable':>7}{head}",
+        ]
+        for g, o in enumerate(r.ranks[0].occupancy):
+            cells = "".join(
+                f"  {x.occupancy[g].peak:>6,} {_pct(x.occupancy[g].peak, o.usable):>5}"
+                for x in r.ranks
+            )
+            lines.append(f"  {o.name:<{width}}  {o.usable:>7,}{cells}")
     lines += ["", "all checks passed" if r.ok else "SOME CHECKS FAILED (see above)"]
     return "\n".join(lines)

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from flatkv_jax.capacity import parse_size, plan_for_budget, plan_with_pages
-from flatkv_jax.demo.replay import replay_ops
-from flatkv_jax.demo.report import DemoReport, GroupOccupancy, Parity, StepSeries
+from flatkv_jax.demo.replay import MAX_MISMATCHES, ReplayResult, replay_ops
+from flatkv_jax.demo.report import DemoReport, GroupOccupancy, Parity, RankSummary, StepSeries
 from flatkv_jax.demo.workload import Session, Workload, WorkloadConfig, make_workload
 from flatkv_jax.errors import check_positive_int, fail
 from flatkv_jax.plan import CachePlan, ServingLimits
@@ -76,6 +76,9 @@ class DemoOptions:
       prefix_cache, overlap, mtp: engine options.
       impl: kernel implementation (``"reference"`` or ``"pallas"``).
       workload: the workload shape apart from ``requests`` (None = defaults).
+      devices: data-parallel ranks (``EngineOptions.devices``); each rank gets the whole
+        plan (its own request slots and pools), requests are routed by prefix affinity.
+      routing: ``EngineOptions.routing`` (``"affinity"`` or ``"least_loaded"``).
     """
 
     model: str = "tiny"
@@ -88,8 +91,14 @@ class DemoOptions:
     mtp: bool = True
     impl: str = "reference"
     workload: WorkloadConfig | None = None
+    devices: int = 1
+    routing: str = "affinity"
 
     def __post_init__(self):
+        check_positive_int("--devices", self.devices)
+        if self.routing not in ("affinity", "least_loaded"):
+            fail("--routing", self.routing, "it must be affinity or least_loaded",
+                 "pass --routing affinity")  # fmt: skip
         if self.model not in MODELS:
             fail("--model", self.model, f"known presets are {sorted(MODELS)}", "pick one of them")
         check_positive_int("--requests", self.requests)
@@ -382,6 +391,7 @@ def run_demo(
     cfg, workload, plan = prep.cfg, prep.workload, prep.plan
     tolerance = MODELS[options.model][1]
 
+    import jax
     from flax import nnx
 
     from flatkv_jax.model import DeepSeekV4
@@ -405,6 +415,8 @@ def run_demo(
             # about a minute and serving a step ~30 ms; two kinds (admit / no admit) save
             # ~8 ms a step, far less than the second compilation over a few hundred steps.
             split_steps=False,
+            devices=options.devices,
+            routing=options.routing,
         ),
     )
     setup_s = time.perf_counter() - t0
@@ -421,7 +433,18 @@ def run_demo(
         s.request_id: tuple(outputs[s.request_id].prompt) + tuple(outputs[s.request_id].tokens)
         for s in submitted
     }
-    replay = replay_ops(plan, engine.op_log, sequences, prefix_reuse=options.prefix_cache)
+    # Each rank has its own coordinator: its operations replay on an oracle of its own.
+    replay = _combine(
+        [
+            replay_ops(
+                plan,
+                log,
+                {rid: s for rid, s in sequences.items() if engine.rank_of(rid) == r},
+                prefix_reuse=options.prefix_cache,
+            )
+            for r, log in enumerate(engine.rank_op_logs)
+        ]
+    )
     served = [s.request_id for s in submitted if outputs[s.request_id].finished]
     aborted = sum(1 for s in submitted if outputs[s.request_id].aborted)
     parity = (
@@ -444,6 +467,30 @@ def run_demo(
         hit_tokens=tuple(int(r.hit_tokens) for r in recs),
     )
     notes = replay.mismatches + tuple(f"oracle invariant: {v}" for v in replay.violations)
+    ranks = tuple(
+        RankSummary(
+            rank=r,
+            requests=sum(1 for s in submitted if engine.rank_of(s.request_id) == r),
+            prompt_tokens=int(rs.prompt_tokens),
+            hit_tokens=int(rs.hit_tokens),
+            occupancy=_occupancy(
+                names,
+                rs.usable_pages,
+                [rec.ranks[r].in_use if rec.ranks else rec.in_use for rec in recs],
+            ),
+        )
+        for r, rs in enumerate(engine.rank_stats)
+    )
+    rt = engine.routing
+    routing = {
+        "policy": options.routing,
+        "requests_per_rank": list(rt.routed),
+        "balance": round(rt.balance, 4),
+        "keyed_requests": rt.keyed,
+        "routing_misses": rt.routing_misses,
+        "routing_miss_tokens": rt.miss_tokens,
+        "jax_device_count": jax.device_count(),
+    }
     report = DemoReport(
         model=options.model,
         seed=options.seed,
@@ -461,6 +508,8 @@ def run_demo(
             "verify_width": plan.limits.verify_width,
             "step_tokens": plan.limits.step_tokens,
             "pool_bytes": int(sum(plan.pool_bytes(g) for g in plan.groups)),
+            "ranks": engine.ranks,
+            "total_pool_bytes": engine.ranks * int(sum(plan.pool_bytes(g) for g in plan.groups)),
         },
         sessions=len(workload.sessions),
         tenants=workload.config.tenants,
@@ -479,7 +528,7 @@ def run_demo(
         oracle_hit_tokens=replay.hit_tokens,
         oracle_mismatches=replay.mismatch_count,
         oracle_notes=notes,
-        occupancy=_occupancy(names, usable, in_use),
+        occupancy=_occupancy(names, tuple(engine.ranks * u for u in usable), in_use),
         pages_zeroed=int(stats.pages_zeroed),
         retractions=int(stats.retractions),
         compilations=int(stats.compilations),
@@ -487,5 +536,31 @@ def run_demo(
         draft_proposed=int(stats.draft_proposed),
         draft_accepted=int(stats.draft_accepted),
         parity=parity,
+        devices=engine.ranks,
+        ranks=ranks,
+        routing=routing,
     )
     return report, series
+
+
+def _combine(results: list[ReplayResult]) -> ReplayResult:
+    """One rank's replay, or the sum of every rank's (mismatch lines name the rank)."""
+    if len(results) == 1:
+        return results[0]
+
+    def total(name: str) -> int:
+        return sum(getattr(x, name) for x in results)
+
+    return ReplayResult(
+        ops=total("ops"),
+        admissions=total("admissions"),
+        hit_tokens=total("hit_tokens"),
+        prompt_tokens=total("prompt_tokens"),
+        engine_hit_tokens=total("engine_hit_tokens"),
+        engine_prompt_tokens=total("engine_prompt_tokens"),
+        mismatch_count=total("mismatch_count"),
+        mismatches=tuple(f"rank {r}: {m}" for r, x in enumerate(results) for m in x.mismatches)[
+            :MAX_MISMATCHES
+        ],
+        violations=tuple(f"rank {r}: {v}" for r, x in enumerate(results) for v in x.violations),
+    )

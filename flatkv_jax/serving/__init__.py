@@ -4,6 +4,8 @@
 - results: :class:`RequestOutput`, :class:`StepRecord`, :class:`EngineStats`
 - the model protocol: :class:`ServedModel` (:mod:`.model`)
 - the jitted step: :mod:`.device`
+- several data-parallel ranks: ``EngineOptions(devices=N)``; routing: :class:`Router`,
+  :class:`RoutingStats` (docs/routing.md)
 
 Contract, scheduling policy and failure modes: docs/serving.md.
 """
@@ -13,6 +15,8 @@ from flatkv_jax.serving.engine import (
     EngineOptions,
     EngineStats,
     RequestOutput,
+    Router,
+    RoutingStats,
     StepRecord,
 )
 from flatkv_jax.serving.model import ServedModel, check_model
@@ -22,6 +26,8 @@ __all__ = [
     "EngineOptions",
     "EngineStats",
     "RequestOutput",
+    "Router",
+    "RoutingStats",
     "ServedModel",
     "StepRecord",
     "check_model",

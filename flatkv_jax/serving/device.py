@@ -35,6 +35,8 @@ import inspect
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from flatkv_jax.coordinator.batches import (
     AdmitBatch,
@@ -183,6 +185,57 @@ def build_step(graphdef, plan: CachePlan, kind: StepKind):
 
     Cached, so every engine over the same model graph, plan and kind shares one compilation.
     """
+    return jax.jit(step_body(graphdef, plan, kind), donate_argnums=(1, 2, 3))
+
+
+@functools.cache
+def build_sharded_step(graphdef, plan: CachePlan, kind: StepKind, mesh: Mesh):
+    """The step of :func:`build_step` run by every data-parallel rank of ``mesh`` at once.
+
+    Same signature, but pools, state, lanes, inputs, admits and the report carry a leading
+    rank axis sharded over ``mesh``'s axis (``P(RANK_AXIS)``); the weights are replicated
+    (``P()``). Inside ``jax.shard_map`` each device sees its own rank (the leading axis of
+    size one is squeezed) and runs the single-rank step on it: nothing in the body reads
+    another rank's data, so the compiled step has no collective (the tests assert it on the
+    HLO text). One compilation per (model graph, plan, kind, mesh).
+    """
+    body = step_body(graphdef, plan, kind)
+    axis = mesh.axis_names[0]
+
+    def per_rank(weights, pools, state, lanes, inp, adm):
+        one = functools.partial(jax.tree.map, lambda x: x[0])
+        out = body(weights, one(pools), one(state), one(lanes), one(inp), one(adm))
+        return jax.tree.map(lambda x: x[None], out)
+
+    ranked = P(axis)
+    fn = jax.shard_map(
+        per_rank,
+        mesh=mesh,
+        in_specs=(P(), ranked, ranked, ranked, ranked, ranked),
+        out_specs=ranked,
+        # The body is the single-rank step: every value is per rank by construction, so
+        # varying-axis type checking adds nothing (and rejects constants mixed with rank
+        # data in lax.cond branches of the coordinator).
+        check_vma=False,
+    )
+    return jax.jit(fn, donate_argnums=(1, 2, 3))
+
+
+def create_lanes_sharded(plan: CachePlan, hidden: int, mesh: Mesh) -> Lanes:
+    """Empty lanes for every rank of ``mesh``: each leaf gets a leading rank axis, created
+    directly sharded (``P(axis)``: each device allocates its own rank's zeros)."""
+    n = mesh.size
+    spec = NamedSharding(mesh, P(mesh.axis_names[0]))
+
+    def make():
+        one = create_lanes(plan, hidden)
+        return jax.tree.map(lambda x: jnp.broadcast_to(x[None], (n, *x.shape)), one)
+
+    return jax.jit(make, out_shardings=spec)()
+
+
+def step_body(graphdef, plan: CachePlan, kind: StepKind):
+    """The un-jitted single-rank step function (see :func:`build_step`)."""
     k = kind.num_draft
     mc = resolve_max_count(plan, None)
     lim = plan.limits
@@ -398,4 +451,4 @@ def build_step(graphdef, plan: CachePlan, kind: StepKind):
             report["logits"] = by_lane(out.logits[src], 0.0)
         return pools, state, lanes, report
 
-    return jax.jit(fn, donate_argnums=(1, 2, 3))
+    return fn

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from flatkv_jax.coordinator.batches import ReleaseMode
 from flatkv_jax.coordinator.ops import resolve_max_count
@@ -32,12 +34,17 @@ from flatkv_jax.serving.device import (
     Lanes,
     StepInputs,
     StepKind,
+    build_sharded_step,
     build_step,
     create_lanes,
+    create_lanes_sharded,
 )
 from flatkv_jax.serving.model import check_model
 from flatkv_jax.status import Status
 from kernels_pallas import Impl
+
+#: :attr:`EngineOptions.routing` choices.
+ROUTING_POLICIES = ("affinity", "least_loaded")
 
 _IMPLS = {"reference": Impl.REFERENCE, "pallas": Impl.PALLAS_TPU, "pallas_tpu": Impl.PALLAS_TPU}
 
@@ -62,6 +69,16 @@ class EngineOptions:
       keep_logits: keep, per request, the logits each generated token was sampled from.
       split_steps: compile a second step kind without the admission code for the steps that
         admit nothing (cheaper per decode step; one more compilation).
+      devices: data-parallel ranks (one per device of a mesh over the first ``devices``
+        devices). Each rank has its own coordinator state, pool slice, lanes and scheduler;
+        one jitted step runs every rank's step at once (docs/routing.md). 1 (default): the
+        single-device engine.
+      routing: how :meth:`Engine.submit` picks a rank: ``"affinity"`` (default; least-loaded
+        among the ranks that already served the request's prefix key, see docs/routing.md)
+        or ``"least_loaded"`` (ignores prefixes).
+      affinity_slack: with ``"affinity"``, how many more outstanding requests the affinity
+        rank may have than the least-loaded rank before the request goes elsewhere (a routing
+        miss); None = ``max_requests``.
     """
 
     impl: str = "reference"
@@ -74,6 +91,9 @@ class EngineOptions:
     record_ops: bool = False
     keep_logits: bool = False
     split_steps: bool = True
+    devices: int = 1
+    routing: str = "affinity"
+    affinity_slack: int | None = None
 
     def __post_init__(self):
         if self.impl not in _IMPLS:
@@ -89,6 +109,22 @@ class EngineOptions:
             if not isinstance(getattr(self, name), bool):
                 fail(name, getattr(self, name), "it must be a bool", f"pass {name}=True or False",
                      exc=TypeError)  # fmt: skip
+        if isinstance(self.devices, bool) or not isinstance(self.devices, int):
+            fail("devices", self.devices, "it must be an int", "pass devices=2 (ranks)",
+                 exc=TypeError)  # fmt: skip
+        if self.devices < 1:
+            fail("devices", self.devices, "an engine needs at least one rank",
+                 "pass devices >= 1")  # fmt: skip
+        if self.routing not in ROUTING_POLICIES:
+            fail("routing", self.routing, f"it must be one of {list(ROUTING_POLICIES)}",
+                 'pass routing="affinity" or routing="least_loaded"')  # fmt: skip
+        if self.affinity_slack is not None and (
+            isinstance(self.affinity_slack, bool)
+            or not isinstance(self.affinity_slack, int)
+            or self.affinity_slack < 0
+        ):
+            fail("affinity_slack", self.affinity_slack, "it must be an int >= 0 or None",
+                 "pass e.g. affinity_slack=4")  # fmt: skip
         if not isinstance(self.fifo_depth, int) or self.fifo_depth < 2:
             fail(
                 "fifo_depth",
@@ -145,6 +181,9 @@ class StepRecord:
       proposed, accepted: drafts proposed and accepted.
       host_s: host seconds spent on this step (scheduling, building inputs, reading).
       wall_s: wall seconds between this step's dispatch and its report being read.
+      ranks: on an engine of several ranks, each rank's record of this step (the fields
+        above are their sums, in_use / cached / zeroed per group over all ranks); ``()``
+        on one device.
     """
 
     index: int
@@ -161,6 +200,7 @@ class StepRecord:
     accepted: int
     host_s: float
     wall_s: float
+    ranks: tuple[StepRecord, ...] = ()
 
 
 @dataclasses.dataclass
@@ -173,8 +213,9 @@ class EngineStats:
       compilations: jit cache entries of the engine's step functions (one per step kind used).
       compilations_after_warmup: entries beyond one per step kind (must stay 0).
       group_names: the plan's groups (order of the per-group tuples).
-      usable_pages: per group.
-      occupancy: per step, pages in use per group.
+      usable_pages: per group (on several ranks: the total over ranks).
+      occupancy: per step, pages in use per group (on several ranks: summed over ranks;
+        :attr:`Engine.rank_stats` has each rank's).
       wall_s: wall seconds inside :meth:`Engine.step`; host_s: host seconds of it.
     """
 
@@ -237,6 +278,171 @@ class _Dispatched:
     admit_pages: np.ndarray
 
 
+@dataclasses.dataclass
+class _Prepared:
+    index: int
+    inputs: StepInputs  # numpy
+    adm: AdmitInputs | None  # numpy; None: nothing to admit
+    with_admit: bool
+    lanes: dict[int, int]
+    admits: dict[int, int]
+    admit_first: dict[int, int]
+    releases: list[tuple[int, int, ReleaseMode]]
+    admit_pages: np.ndarray
+    t0: float
+    host_s: float
+
+
+class _SharedReport:
+    """A sharded step's report (leading rank axis): fetched to the host once, the first
+    time any rank reads it."""
+
+    def __init__(self, report: dict):
+        self.report = report
+        self.host: dict | None = None
+
+    def get(self) -> dict:
+        if self.host is None:
+            self.host = jax.device_get(self.report)
+            self.report = None
+        return self.host
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankView:
+    shared: _SharedReport
+    rank: int
+
+    def get(self) -> dict:
+        return {k: v[self.rank] for k, v in self.shared.get().items()}
+
+
+@dataclasses.dataclass
+class RoutingStats:
+    """What the router decided (see docs/routing.md).
+
+    Attributes:
+      ranks: data-parallel ranks.
+      routed: requests routed to each rank.
+      keyed: requests whose prompt has a whole block that can hit (longer than
+        ``prefix_granularity`` tokens).
+      routing_misses: requests sent to a rank that had seen fewer of their leading blocks
+        than another rank (their prefix, cached elsewhere, is recomputed: a prefix miss
+        caused by routing).
+      miss_tokens: the prompt tokens of those requests that another rank had seen and
+        theirs had not (blocks of ``prefix_granularity`` tokens).
+    """
+
+    ranks: int = 1
+    routed: list[int] = dataclasses.field(default_factory=list)
+    keyed: int = 0
+    routing_misses: int = 0
+    miss_tokens: int = 0
+
+    def __post_init__(self):
+        if not self.routed:
+            self.routed = [0] * self.ranks
+
+    @property
+    def balance(self) -> float:
+        """Least over most requests routed to a rank (1.0 = perfectly even)."""
+        return min(self.routed) / max(self.routed) if max(self.routed, default=0) else 1.0
+
+
+class Router:
+    """Host routing policy of a sharded engine: which rank serves a new request.
+
+    A request's prompt is cut into ``key_tokens``-token blocks (the prefix granularity: hits
+    come in whole blocks, at most ``prompt_len - 1`` tokens); its *chain* is one key per
+    block, ``(namespace, first i blocks)``. The router remembers, per rank, the chains of
+    the prompts it sent there (the prefixes that rank has computed and cached), so for a new
+    request it knows each rank's *depth*: how many leading blocks of the prompt the rank has
+    seen. Prompts of at most ``key_tokens`` tokens have no block (they cannot hit).
+
+    - ``"affinity"``: among the ranks of greatest depth (> 0), the least-loaded, unless its
+      load exceeds the least-loaded rank's by more than ``slack``; then, or when no rank has
+      seen the prompt's first block, the least-loaded rank.
+    - ``"least_loaded"``: always the least-loaded rank.
+
+    Load = requests waiting or running on the rank. Ties go to the lowest rank. A request
+    sent to a rank of smaller depth than another rank's is a routing miss of ``(greatest
+    depth - its rank's depth) * key_tokens`` tokens (cached elsewhere, recomputed here).
+    """
+
+    def __init__(self, ranks: int, policy: str, *, key_tokens: int, slack: int):
+        self.ranks = ranks
+        self.policy = policy
+        self.key_tokens = key_tokens
+        self.slack = slack
+        self.seen: list[set[int]] = [set() for _ in range(ranks)]
+
+    def chain(self, prompt: Sequence[int], namespace: int) -> list[int]:
+        """One key per whole block that can hit (hashes of the namespace and the prefix)."""
+        g = self.key_tokens
+        keys, h = [], hash(("flatkv-route", namespace))
+        for i in range((len(prompt) - 1) // g):
+            h = hash((h, tuple(prompt[i * g : (i + 1) * g])))
+            keys.append(h)
+        return keys
+
+    def route(self, prompt: Sequence[int], namespace: int, loads: Sequence[int]):
+        """Returns ``(rank, blocks, missed_blocks)`` for a request given each rank's load:
+        ``blocks`` = whole blocks of the prompt that can hit (0: no key), ``missed_blocks``
+        = blocks another rank has seen beyond what the chosen rank has."""
+        least = min(range(self.ranks), key=lambda r: (loads[r], r))
+        chain = self.chain(prompt, namespace)
+        if not chain:
+            return least, 0, 0
+        depth = []
+        for seen in self.seen:
+            d = 0
+            while d < len(chain) and chain[d] in seen:
+                d += 1
+            depth.append(d)
+        deepest = max(depth)
+        rank = least
+        if self.policy == "affinity" and deepest > 0:
+            best = min(
+                (r for r in range(self.ranks) if depth[r] == deepest), key=lambda r: (loads[r], r)
+            )
+            if loads[best] <= loads[least] + self.slack:
+                rank = best
+        self.seen[rank].update(chain)
+        return rank, len(chain), deepest - depth[rank]
+
+
+def _resolve_mesh(mesh, devices: int):
+    """The engine's mesh: the one given, a mesh over the first ``devices`` devices, or None
+    (single-device engine)."""
+    if mesh is None:
+        if devices == 1:
+            return None
+        from flatkv_jax.sharding import rank_mesh
+
+        have = jax.device_count()
+        if devices > have:
+            fail(
+                "EngineOptions.devices",
+                devices,
+                f"it exceeds the {have} device(s) JAX sees (jax.device_count())",
+                f"pass devices <= {have}, or on CPU start Python with "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={devices} (set before JAX "
+                "initializes its backend)",
+            )
+        return rank_mesh(devices)
+    if not isinstance(mesh, Mesh):
+        fail("mesh", type(mesh).__name__, "it must be a jax.sharding.Mesh",
+             "pass flatkv_jax.sharding.rank_mesh(n)", exc=TypeError)  # fmt: skip
+    if len(mesh.axis_names) != 1:
+        fail("mesh", f"axes {mesh.axis_names}", "the engine's mesh has one data-parallel axis",
+             "pass flatkv_jax.sharding.rank_mesh(n)")  # fmt: skip
+    if devices not in (1, mesh.size):
+        fail("EngineOptions.devices", devices,
+             f"it disagrees with the mesh's {mesh.size} device(s)",
+             "pass devices=1 (the default) with a mesh, or no mesh")  # fmt: skip
+    return mesh
+
+
 class Engine:
     """Continuous batching over a flax model, its cache plan and the coordinator.
 
@@ -252,9 +458,25 @@ class Engine:
         (:class:`flatkv_jax.serving.model.ServedModel`).
       plan: the cache plan (groups must be the model's recipe groups).
       options: :class:`EngineOptions`.
+      mesh: a one-axis ``jax.sharding.Mesh`` whose devices are the data-parallel ranks
+        (e.g. :func:`flatkv_jax.sharding.rank_mesh`); None = ``rank_mesh(options.devices)``
+        when ``options.devices > 1``, else the single-device engine. A mesh of one device
+        runs the sharded step on one rank.
+
+    With more than one rank, :attr:`state`, :attr:`pools` and :attr:`lanes` carry a leading
+    rank axis (sharded over the mesh); :meth:`rank_state` / :meth:`rank_pools` give one
+    rank's view, :attr:`rank_stats` each rank's statistics, :attr:`routing` the router's
+    counts. See docs/routing.md.
     """
 
-    def __init__(self, model, plan: CachePlan, options: EngineOptions | None = None):
+    def __init__(
+        self,
+        model,
+        plan: CachePlan,
+        options: EngineOptions | None = None,
+        *,
+        mesh: Mesh | None = None,
+    ):
         self.plan = check_plan(plan)
         self.options = options = EngineOptions() if options is None else options
         if not isinstance(options, EngineOptions):
@@ -287,25 +509,74 @@ class Engine:
             keep_logits=options.keep_logits,
         )
         self.graphdef, self.weights = nnx.split(model)
-        self._fns = {
-            False: build_step(self.graphdef, plan, base),
-            True: build_step(self.graphdef, plan, dataclasses.replace(base, admit=True)),
-        }
+        self.mesh = mesh = _resolve_mesh(mesh, options.devices)
+        kinds = {False: base, True: dataclasses.replace(base, admit=True)}
+        if mesh is None:
+            self._fns = {a: build_step(self.graphdef, plan, kd) for a, kd in kinds.items()}
+        else:
+            self._fns = {
+                a: build_sharded_step(self.graphdef, plan, kd, mesh) for a, kd in kinds.items()
+            }
+            # Replicated once here, so no step moves weights between devices.
+            self.weights = jax.device_put(self.weights, NamedSharding(mesh, P()))
         self._cache0 = {a: f._cache_size() for a, f in self._fns.items()}
-        r = plan.limits.max_requests
-        none = jnp.full((r,), -1, jnp.int32)
-        zeros = jnp.zeros((r,), jnp.int32)
-        self._no_admits = AdmitInputs(
-            none, zeros, zeros, zeros, zeros, jnp.zeros((r, plan.limits.max_context), jnp.int32)
-        )
+        self._block = np.array([g.block_tokens for g in plan.groups])
+        self._init_host()
+        self.rank = 0
         kw = {"prefix": options.prefix_cache}
-        if options.prefix_seed is not None and "seed" in inspect.signature(create_state).parameters:
-            kw["seed"] = options.prefix_seed
-        self.state: CacheState = create_state(plan, options.fifo_depth, **kw)
-        self.pools: Pools = create_pools(plan)
-        self.lanes: Lanes = create_lanes(plan, self.cfg.hidden)
-        self._sleeping: Sleeping | None = None
+        if mesh is None:
+            if options.prefix_seed is not None and (
+                "seed" in inspect.signature(create_state).parameters
+            ):
+                kw["seed"] = options.prefix_seed
+            self.state: CacheState = create_state(plan, options.fifo_depth, **kw)
+            self.pools: Pools = create_pools(plan)
+            self.lanes: Lanes = create_lanes(plan, self.cfg.hidden)
+            self._ranks: list[Engine] = [self]
+        else:
+            from flatkv_jax.sharding import create_pools_sharded, create_state_sharded
+
+            self.state = create_state_sharded(
+                plan, mesh, options.fifo_depth, seed=options.prefix_seed, **kw
+            )
+            self.pools = create_pools_sharded(plan, mesh)
+            self.lanes = create_lanes_sharded(plan, self.cfg.hidden, mesh)
+            self._ranks = [self._rank_scheduler(i) for i in range(mesh.size)]
+            n = mesh.size
+            self.stats.usable_pages = tuple(n * u for u in self.stats.usable_pages)
+        self.routing = RoutingStats(ranks=len(self._ranks))
+        self._router = Router(
+            len(self._ranks),
+            options.routing,
+            key_tokens=plan.prefix_granularity,
+            slack=lim.max_requests if options.affinity_slack is None else options.affinity_slack,
+        )
+        self._rank_of: dict[int, int] = {}
+
+    def _rank_scheduler(self, rank: int) -> Engine:
+        """A host-only scheduler for one rank of a sharded engine (no device arrays of its
+        own: the parent dispatches every rank's inputs in one sharded step)."""
+        child = object.__new__(Engine)
+        for name in ("plan", "options", "model", "cfg", "k", "mc", "graphdef", "_block"):
+            setattr(child, name, getattr(self, name))
+        child.weights = child.state = child.pools = child.lanes = child.mesh = None
+        child._fns, child._cache0 = {}, {}
+        child._init_host()
+        child.outputs = self.outputs  # one dict: every rank's outputs, by global id
+        child.rank = rank
+        child._ranks = [child]
+        return child
+
+    def _init_host(self) -> None:
+        """The host-side scheduler state (per rank)."""
+        plan, lim = self.plan, self.plan.limits
         r = lim.max_requests
+        none = np.full((r,), -1, np.int32)
+        zeros = np.zeros((r,), np.int32)
+        self._no_admits = AdmitInputs(
+            none, zeros, zeros, zeros, zeros, np.zeros((r, lim.max_context), np.int32)
+        )
+        self._sleeping: Sleeping | None = None
         self._free_lanes = list(range(r))
         self._lane_rid: dict[int, int] = {}
         self._requests: dict[int, _Request] = {}
@@ -318,7 +589,6 @@ class Engine:
         self._steps = 0
         self._barrier = 0  # page failures seen in steps before this one are already handled
         self._supply: np.ndarray = np.array([plan.usable_pages(g) for g in plan.groups])
-        self._block = np.array([g.block_tokens for g in plan.groups])
         self.outputs: dict[int, RequestOutput] = {}
         self.op_log: list[tuple[str, tuple[tuple, ...]]] = []
         self.stats = EngineStats(
@@ -374,12 +644,101 @@ class Engine:
             )
         rid = self._arrivals
         self._arrivals += 1
-        out = RequestOutput(request_id=rid, prompt=tuple(prompt))
-        req = _Request(rid, tuple(prompt), int(max_new_tokens), int(namespace), rid, out)
-        self._requests[rid] = req
+        rank = self._route(prompt, int(namespace))
+        self._rank_of[rid] = rank
+        self._ranks[rank]._enqueue(rid, tuple(prompt), int(max_new_tokens), int(namespace))
+        return rid
+
+    def _enqueue(self, rid: int, prompt: tuple[int, ...], max_new: int, namespace: int) -> None:
+        """Queues a checked request on this rank's scheduler (arrival order = global id)."""
+        out = RequestOutput(request_id=rid, prompt=prompt)
+        self._requests[rid] = _Request(rid, prompt, max_new, namespace, rid, out)
         self.outputs[rid] = out
         self._waiting.append(rid)
-        return rid
+
+    def _route(self, prompt: Sequence[int], namespace: int) -> int:
+        """Picks the rank of a new request (see :class:`Router`) and counts it."""
+        loads = [len(rk._waiting) + len(rk._lane_rid) for rk in self._ranks]
+        rank, blocks, missed = self._router.route(prompt, namespace, loads)
+        rs = self.routing
+        rs.routed[rank] += 1
+        if blocks:
+            rs.keyed += 1
+        if missed:
+            rs.routing_misses += 1
+            rs.miss_tokens += missed * self._router.key_tokens
+        return rank
+
+    def rank_of(self, request_id: int) -> int:
+        """The rank a request was routed to (0 on a single-device engine).
+
+        Raises:
+          ValueError: an unknown request id.
+        """
+        rank = self._rank_of.get(request_id) if isinstance(request_id, int) else None
+        if rank is None:
+            fail("request_id", request_id, "no request has this id",
+                 "pass an id returned by submit")  # fmt: skip
+        return rank
+
+    @property
+    def ranks(self) -> int:
+        """Data-parallel ranks (1 on a single-device engine)."""
+        return len(self._ranks)
+
+    @property
+    def rank_stats(self) -> tuple[EngineStats, ...]:
+        """Each rank's statistics (one entry, :attr:`stats` itself, on one device)."""
+        return tuple(rk.stats for rk in self._ranks)
+
+    @property
+    def rank_op_logs(self) -> tuple[list, ...]:
+        """Each rank's :attr:`op_log` (``record_ops=True``); a rank's log replays on its own."""
+        return tuple(rk.op_log for rk in self._ranks)
+
+    def rank_state(self, rank: int) -> CacheState:
+        """Rank ``rank``'s coordinator state (host view; for audits and tests)."""
+        return self._rank_view(self.state, rank)
+
+    def rank_pools(self, rank: int) -> Pools:
+        """Rank ``rank``'s pool slice (host view; for audits and tests)."""
+        return self._rank_view(self.pools, rank)
+
+    def step_hlo(self, admit: bool = True) -> str:
+        """The compiled HLO text of one step kind (for audits, e.g. that a sharded step has
+        no collective). Free once that kind has run: the compilation is cached.
+
+        Args:
+          admit: the kind with the admission code (the only kind with ``split_steps=False``).
+        """
+        lim = self.plan.limits
+        r = lim.max_requests
+        neg = np.full((r,), -1, np.int32)
+        one = (
+            StepInputs(np.zeros((r,), np.int32), neg, neg, np.zeros((r,), np.int32)),
+            self._ranks[0]._no_admits if admit else None,
+        )
+        if self.mesh is None:
+            inputs, adm = jax.tree.map(jnp.asarray, one)
+        else:
+            n = len(self._ranks)
+            stacked = jax.tree.map(lambda x: np.stack([x] * n), one)
+            inputs, adm = jax.device_put(
+                stacked, NamedSharding(self.mesh, P(self.mesh.axis_names[0]))
+            )
+        fn = self._fns[admit]
+        lowered = fn.lower(self.weights, self.pools, self.state, self.lanes, inputs, adm)
+        return lowered.compile().as_text()
+
+    def _rank_view(self, tree, rank: int):
+        if not isinstance(rank, int) or not 0 <= rank < len(self._ranks):
+            fail("rank", rank, f"the engine has ranks 0..{len(self._ranks) - 1}",
+                 "pass a rank in that range")  # fmt: skip
+        if self.mesh is None:
+            return tree
+        from flatkv_jax.sharding import unstack_rank
+
+        return unstack_rank(tree, rank)
 
     def abort(self, request_id: int) -> None:
         """Cancels a request at any time: waiting, mid-prefill or mid-decode.
@@ -391,10 +750,11 @@ class Engine:
         Raises:
           ValueError: an unknown request id.
         """
-        req = self._requests.get(request_id) if isinstance(request_id, int) else None
-        if req is None:
-            fail("request_id", request_id, "no request has this id",
-                 "pass an id returned by submit")  # fmt: skip
+        rank = self.rank_of(request_id)
+        self._ranks[rank]._abort(request_id)
+
+    def _abort(self, request_id: int) -> None:
+        req = self._requests[request_id]
         if req.out.finished or req.out.aborted:
             return
         req.out.aborted = True
@@ -410,7 +770,9 @@ class Engine:
 
     def has_work(self) -> bool:
         """Requests waiting or running, releases not yet done, or results not yet read."""
-        return bool(self._waiting or self._lane_rid or self._releases or self._inflight)
+        return any(
+            rk._waiting or rk._lane_rid or rk._releases or rk._inflight for rk in self._ranks
+        )
 
     # --- the loop ---------------------------------------------------------------------------
     def run(self, on_step: Callable[[StepRecord], None] | None = None) -> dict[int, RequestOutput]:
@@ -431,12 +793,12 @@ class Engine:
         if not self.has_work():
             return None
         dispatched = None
-        if self._waiting or self._lane_rid or self._releases:
+        if any(rk._waiting or rk._lane_rid or rk._releases for rk in self._ranks):
             dispatched = self._dispatch()
         depth = 1 if (self.options.overlap and dispatched is not None) else 0
         rec = None
-        if len(self._inflight) > depth:
-            rec = self._read(self._inflight.pop(0))
+        if len(self._ranks[0]._inflight) > depth:
+            rec = self._read_step()
         wall = time.perf_counter() - t0
         self.stats.wall_s += wall
         return rec
@@ -493,9 +855,47 @@ class Engine:
             admits.append((q, first))
         return running, allow, admits, admit_pages
 
-    def _dispatch(self, drain: bool = False) -> _Dispatched:
-        """Dispatches one step; ``drain``: schedules nothing (no allowance, no admission),
-        so the step only releases, retires and reclaims."""
+    def _dispatch(self, drain: bool = False) -> None:
+        """Dispatches one step of every rank; ``drain``: schedules nothing (no allowance, no
+        admission), so the step only releases, retires and reclaims."""
+        preps = [rk._prepare(drain) for rk in self._ranks]
+        kind = any(p.with_admit for p in preps) or not self.options.split_steps
+        fn = self._fns[kind]
+        if self.mesh is None:
+            (p,) = preps
+            adm = (p.adm if p.adm is not None else self._no_admits) if kind else None
+            inputs, adm = jax.tree.map(jnp.asarray, (p.inputs, adm))
+            self.pools, self.state, self.lanes, report = fn(
+                self.weights, self.pools, self.state, self.lanes, inputs, adm
+            )
+            views = [report]
+        else:
+            adm = (
+                [
+                    p.adm if p.adm is not None else rk._no_admits
+                    for p, rk in zip(preps, self._ranks, strict=True)
+                ]
+                if kind
+                else None
+            )
+            stacked = (
+                jax.tree.map(lambda *xs: np.stack(xs), *[p.inputs for p in preps]),
+                (None if adm is None else jax.tree.map(lambda *xs: np.stack(xs), *adm)),
+            )
+            # Each device receives its own rank's rows only (sharded transfer).
+            inputs, adm = jax.device_put(
+                stacked, NamedSharding(self.mesh, P(self.mesh.axis_names[0]))
+            )
+            self.pools, self.state, self.lanes, report = fn(
+                self.weights, self.pools, self.state, self.lanes, inputs, adm
+            )
+            shared = _SharedReport(report)
+            views = [_RankView(shared, r) for r in range(len(self._ranks))]
+        for rk, p, view in zip(self._ranks, preps, views, strict=True):
+            rk._commit(p, view)
+
+    def _prepare(self, drain: bool) -> _Prepared:
+        """This rank's host decisions for the next step (its step inputs, as numpy)."""
         t0 = time.perf_counter()
         lim = self.plan.limits
         r = lim.max_requests
@@ -524,7 +924,7 @@ class Engine:
         rel_mode = np.zeros(r, np.int32)
         for i, (lane, _, mode) in enumerate(releases):
             rel_lane[i], rel_mode[i] = lane, int(mode)
-        inputs = StepInputs(*(jnp.asarray(x) for x in (a, order, rel_lane, rel_mode)))
+        inputs = StepInputs(a, order, rel_lane, rel_mode)
         adm_lanes = {}
         with_admit = bool(admits)
         adm = None
@@ -543,40 +943,43 @@ class Engine:
                 cols["lane"][i], cols["plen"][i], cols["first"][i] = lane, len(seq), first
                 cols["rem"][i], cols["ns"][i] = q.max_new - len(q.out.tokens), q.namespace
                 toks[i, : len(seq)] = seq
-            adm = AdmitInputs(
-                *(jnp.asarray(cols[n]) for n in ("lane", "plen", "first", "rem", "ns")),
-                jnp.asarray(toks),
-            )
-        kind = with_admit or not self.options.split_steps
-        if kind and adm is None:
-            adm = self._no_admits
-        fn = self._fns[kind]
-        host = time.perf_counter() - t0
-        self.pools, self.state, self.lanes, report = fn(
-            self.weights, self.pools, self.state, self.lanes, inputs, adm
-        )
-        t1 = time.perf_counter()
-        d = _Dispatched(
+            adm = AdmitInputs(*(cols[n] for n in ("lane", "plen", "first", "rem", "ns")), toks)
+        return _Prepared(
             index=index,
+            inputs=inputs,
+            adm=adm,
+            with_admit=with_admit,
             lanes={int(lane): self._lane_rid[int(lane)] for lane in order if lane >= 0},
             admits=adm_lanes,
             admit_first={
                 lane: int(first) for (q, first), lane in zip(admits, adm_lanes, strict=True)
             },
             releases=releases,
+            admit_pages=admit_pages,
+            t0=t0,
+            host_s=time.perf_counter() - t0,
+        )
+
+    def _commit(self, p: _Prepared, report) -> None:
+        """Records a dispatched step of this rank (its report is read later)."""
+        d = _Dispatched(
+            index=p.index,
+            lanes=p.lanes,
+            admits=p.admits,
+            admit_first=p.admit_first,
+            releases=p.releases,
             retire_rids=self._last_lanes,
             report=report,
-            t0=t0,
-            host_s=host + (time.perf_counter() - t1),
-            admit_pages=admit_pages,
+            t0=p.t0,
+            host_s=p.host_s,  # the dispatch call itself is device time, not host work
+            admit_pages=p.admit_pages,
         )
-        self._last_lanes = {**d.lanes, **adm_lanes}
+        self._last_lanes = {**d.lanes, **d.admits}
         self._inflight.append(d)
-        return d
 
     def _read(self, d: _Dispatched) -> StepRecord:
         """Applies a step's report to the requests (blocks until that step is done)."""
-        rep = jax.device_get(d.report)
+        rep = d.report.get() if isinstance(d.report, _RankView) else jax.device_get(d.report)
         t0 = time.perf_counter()
         if bool(rep["overflow"]):
             raise RuntimeError(
@@ -677,9 +1080,51 @@ class Engine:
         st.host_s += host
         # Entries this engine added (another engine may have compiled a kind before; a
         # jax.clear_caches() in between can only lower the count).
+        self._count_compilations()
+        self.records.append(rec)
+        return rec
+
+    def _count_compilations(self) -> None:
+        st = self.stats
         sizes = {a: max(0, f._cache_size() - self._cache0[a]) for a, f in self._fns.items()}
         st.compilations = sum(sizes.values())
         st.compilations_after_warmup = sum(max(0, n - 1) for n in sizes.values())
+
+    def _read_step(self) -> StepRecord:
+        """Reads the oldest dispatched step of every rank; returns the step's record (on
+        several ranks: the sum over ranks, with each rank's record in ``ranks``)."""
+        if self.mesh is None:
+            return self._read(self._inflight.pop(0))
+        recs = tuple(rk._read(rk._inflight.pop(0)) for rk in self._ranks)
+        total = {
+            f.name: sum(getattr(r, f.name) for r in recs)
+            for f in dataclasses.fields(StepRecord)
+            if f.name not in ("index", "in_use", "cached", "zeroed", "ranks", "host_s", "wall_s")
+        }
+        rec = StepRecord(
+            index=recs[0].index,
+            in_use=tuple(int(x) for x in np.sum([r.in_use for r in recs], axis=0)),
+            cached=tuple(int(x) for x in np.sum([r.cached for r in recs], axis=0)),
+            zeroed=tuple(int(x) for x in np.sum([r.zeroed for r in recs], axis=0)),
+            host_s=sum(r.host_s for r in recs),
+            wall_s=max(r.wall_s for r in recs),
+            ranks=recs,
+            **total,
+        )
+        st = self.stats
+        st.steps += 1
+        st.prefill_tokens += rec.prefill_tokens
+        st.decode_tokens += rec.decode_tokens
+        st.emitted_tokens += rec.emitted
+        st.hit_tokens += rec.hit_tokens
+        st.prompt_tokens += rec.prompt_tokens
+        st.retractions += rec.retractions
+        st.pages_zeroed += sum(rec.zeroed)
+        st.draft_proposed += rec.proposed
+        st.draft_accepted += rec.accepted
+        st.occupancy.append(rec.in_use)
+        st.host_s += rec.host_s
+        self._count_compilations()
         self.records.append(rec)
         return rec
 
@@ -714,6 +1159,13 @@ class Engine:
           ValueError: the engine is asleep already; an unknown mode.
           TypeError: a mode that is neither a :class:`SleepMode` nor a string.
         """
+        if self.mesh is not None:
+            fail(
+                "engine",
+                f"{len(self._ranks)} ranks",
+                "sleep() and wake() are implemented for the single-device engine only",
+                "serve with EngineOptions(devices=1) and no mesh to use sleep/wake",
+            )
         if self._sleeping is not None:
             fail(
                 "engine",

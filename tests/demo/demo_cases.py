@@ -22,5 +22,8 @@ JSON_KEYS = {
     "compilations_after_warmup",
     "drafts",
     "parity",
+    "devices",
+    "ranks",
+    "routing",
     "ok",
 }
