@@ -157,17 +157,15 @@ def sweep(
         pools, _, left = decref_left(pools, layout, gq, pages)
         # Left with only the index's reference: cached-only now.
         now_cached = held & (pages > 0) & (left == 1)
-        # Most chunks push nothing in most pools: skip those pools' pushes (and their sorts).
-        lrus = tuple(
-            jax.lax.cond(
-                jnp.any(now_cached & (gq == g)),
-                lambda lr, m: lru_lib.release(lr, pages, m),
-                lambda lr, m: lr,
-                lr,
-                now_cached & (gq == g),
+        # Every pool's pushes in one batched release (one sort, not one per pool); most
+        # chunks push nothing at all: skip it then.
+        if lrus:  # none without a prefix index
+            lrus = jax.lax.cond(
+                jnp.any(now_cached),
+                lambda lr: lru_lib.release_groups(lr, gq, pages, now_cached),
+                lambda lr: lr,
+                lrus,
             )
-            for g, lr in enumerate(lrus)
-        )
         return pools, tables, lrus, indexes
 
     pools, tables, lrus, indexes = jax.lax.fori_loop(

@@ -122,28 +122,35 @@ def publish_blocks(
     toks = state.fifo_tokens[s, head, :width]
     # Only the `width` accepted-token columns are hashed (lanes [B, width, LANES]).
     lanes, chain = keys_lib.extend_chain(state.chain[s], toks, c_old, a, ns, seed=state.key_seed)
-    indexes, groups, taken_pages, waiting = [], [], [], []
-    for g in range(len(plan.groups)):
-        blocks = _completed_blocks(plan, state, g, s, pub, c_old, c_old + a, lanes, width, retry)
-        ix, taken, held = _insert_blocks(state.indexes[g], blocks, ns)
-        indexes.append(ix)
-        groups.append(jnp.full((blocks.page.size,), g, _I32))
-        taken_pages.append(jnp.where(taken, blocks.page.reshape(-1), -1))
+    offered = [
+        _completed_blocks(plan, state, g, s, pub, c_old, c_old + a, lanes, width, retry)
+        for g in range(len(plan.groups))
+    ]
+    indexes, taken, held = _insert_blocks(state.indexes, offered, ns)
+    groups = jnp.concatenate([b.group.reshape(-1) for b in offered])
+    pages = jnp.concatenate([b.page.reshape(-1) for b in offered])
+    pools = incref(state.allocator, pool_layout(plan), groups, jnp.where(taken, pages, -1))
+    waiting, at = [], 0
+    for blocks in offered:
+        n = blocks.valid.size
         # Offered but neither taken nor already held by this page: another page holds the key.
-        still = blocks.valid & ~(taken | held).reshape(blocks.valid.shape)
-        waiting.append(blocks._replace(valid=still))
-    pools = incref(
-        state.allocator, pool_layout(plan), jnp.concatenate(groups), jnp.concatenate(taken_pages)
-    )
-    dg, dslot, dsums, dlen = _compact_deferred(waiting, state.defer_group.shape[1])
+        done = (taken[at : at + n] | held[at : at + n]).reshape(blocks.valid.shape)
+        waiting.append(blocks._replace(valid=blocks.valid & ~done))
+        at += n
+    # A row's list after this publish has at most as many entries as were offered: only
+    # that many columns are written (entries past ``defer_len`` are never read), so a decode
+    # step writes a few columns per row, not the whole ``[B, K]`` list.
+    kd = min(state.defer_group.shape[1], sum(w.valid.shape[1] for w in waiting))
+    dg, dslot, dsums, dlen = _compact_deferred(waiting, kd)
+    rows = jnp.where(pub, s, state.max_requests)
     return replace(
         state,
         allocator=pools,
         indexes=tuple(indexes),
         chain=set_rows(state.chain, s, pub, chain),
-        defer_group=set_rows(state.defer_group, s, pub, dg),
-        defer_slot=set_rows(state.defer_slot, s, pub, dslot),
-        defer_sums=set_rows(state.defer_sums, s, pub, dsums),
+        defer_group=state.defer_group.at[rows, :kd].set(dg, mode="drop"),
+        defer_slot=state.defer_slot.at[rows, :kd].set(dslot, mode="drop"),
+        defer_sums=state.defer_sums.at[rows, :kd].set(dsums, mode="drop"),
         defer_len=set_rows(state.defer_len, s, pub, dlen),
     )
 
@@ -195,26 +202,30 @@ def _completed_blocks(
     return _Blocks(group, ends, new_sums, slot, entry, ok & (entry >= 1))
 
 
-def _insert_blocks(ix, blocks: _Blocks, ns: jax.Array):
-    """Inserts the offered blocks into one group's index (first publisher wins); returns the
-    index and, per flattened block, whether its page was taken and whether it already held
-    the key."""
+def _insert_blocks(indexes, offered: list[_Blocks], ns: jax.Array):
+    """Inserts every group's offered blocks into its index (first publisher wins), all groups
+    in one :func:`~flatkv_jax.prefix.index.insert_groups` (4 sorts per step, not 4 per
+    group); returns the indexes and, per flattened block (groups in order), whether its page
+    was taken and whether it already held the key."""
+    sizes = tuple(b.valid.size for b in offered)
+    valid = jnp.concatenate([b.valid.reshape(-1) for b in offered])
 
-    def insert(ix):
-        keys = keys_lib.keys_from_lanes(blocks.sums, blocks.ends, ns)
-        return index_lib.insert_held(
-            ix,
-            keys.reshape(-1, keys_lib.KEY_WORDS),
-            blocks.page.reshape(-1),
-            blocks.valid.reshape(-1),
+    def insert(ixs):
+        keys = jnp.concatenate(
+            [
+                keys_lib.keys_from_lanes(b.sums, b.ends, ns).reshape(-1, keys_lib.KEY_WORDS)
+                for b in offered
+            ]
         )
+        pages = jnp.concatenate([b.page.reshape(-1) for b in offered])
+        return index_lib.insert_groups(ixs, sizes, keys, pages, valid)
 
-    def skip(ix):
-        n = blocks.valid.size
-        return ix, jnp.zeros((n,), jnp.bool_), jnp.zeros((n,), jnp.bool_)
+    def skip(ixs):
+        n = valid.shape[0]
+        return ixs, jnp.zeros((n,), jnp.bool_), jnp.zeros((n,), jnp.bool_)
 
-    # A decode step completes a block in few groups: skip the others' inserts.
-    return jax.lax.cond(jnp.any(blocks.valid), insert, skip, ix)
+    # A step that completes no block (or only holes) skips the insert's sorts and scatters.
+    return jax.lax.cond(jnp.any(valid), insert, skip, tuple(indexes))
 
 
 def _compact_deferred(waiting: list[_Blocks], kd: int):

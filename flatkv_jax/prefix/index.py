@@ -190,10 +190,19 @@ def holds(index: PrefixIndex, pages: jax.Array) -> jax.Array:
 
 
 def _place(
-    index: PrefixIndex, k: jax.Array, pages: jax.Array, bucket: jax.Array, want: jax.Array
+    index: PrefixIndex,
+    k: jax.Array,
+    pages: jax.Array,
+    bucket: jax.Array,
+    want: jax.Array,
+    rank: jax.Array | None = None,
 ) -> tuple[PrefixIndex, jax.Array]:
-    """Writes the wanted rows into free ways of ``bucket``; rows that do not fit are not placed."""
-    rank = rank_within(bucket, want)
+    """Writes the wanted rows into free ways of ``bucket``; rows that do not fit are not placed.
+
+    ``rank``: each wanted row's rank among the wanted rows of its bucket (batch order);
+    computed here unless the caller ranked several indexes' rows in one sort."""
+    if rank is None:
+        rank = rank_within(bucket, want)
     free = index.pages[bucket] == 0  # [N, WAYS]
     nth = jnp.cumsum(free.astype(jnp.int32), axis=1)
     placed = want & (rank < nth[:, -1])
@@ -271,14 +280,105 @@ def insert_held(
     # depend on which rule is applied first.
     want = eligible & first_occurrence(tuple(k[:, w] for w in range(KEY_WORDS)), eligible)
     want = want & first_occurrence((pages,), eligible)
+    first, second = _pick_buckets(index, k)
+    index, placed1 = _place(index, k, pages, first, want)
+    index, placed2 = _place(index, k, pages, second, want & ~placed1)
+    return index, placed1 | placed2, held
+
+
+def _pick_buckets(index: PrefixIndex, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(first, second) bucket of each key: the less loaded one first (loads before the call)."""
     bk = _buckets(index, k)
     load = jnp.sum(index.pages[bk] > 0, axis=2)  # [N, 2]
     pick = (load[:, 1] < load[:, 0]).astype(jnp.int32)
     first = jnp.take_along_axis(bk, pick[:, None], axis=1)[:, 0]
     second = jnp.take_along_axis(bk, 1 - pick[:, None], axis=1)[:, 0]
-    index, placed1 = _place(index, k, pages, first, want)
-    index, placed2 = _place(index, k, pages, second, want & ~placed1)
-    return index, placed1 | placed2, held
+    return first, second
+
+
+def insert_groups(
+    indexes: tuple[PrefixIndex, ...],
+    sizes: tuple[int, ...],
+    keys: jax.Array,
+    pages: jax.Array,
+    valid: jax.Array,
+) -> tuple[tuple[PrefixIndex, ...], jax.Array, jax.Array]:
+    """:func:`insert_held` into several indexes at once: the same result as one call per index.
+
+    The rows are the concatenation of each index's rows (``sizes[i]`` rows for
+    ``indexes[i]``, a static split). Lookups and writes stay per index (they touch only its
+    entries), but the batch-wide steps — the two first-publisher-wins rules and the ranks
+    within a bucket — are one sort each over all rows with the index number as the leading
+    column, instead of one sort per index: a coordinator publishing into every group's index
+    runs 4 sorts per step, not 4 per group (on XLA:CPU each sort, taken or not, costs a few
+    microseconds per step).
+
+    Args:
+      indexes: the indexes, in order.
+      sizes: static, rows per index (``sum(sizes) == N``).
+      keys: uint32[N, KEY_WORDS].
+      pages: int32[N], pages of each row's own index's pool.
+      valid: bool[N].
+
+    Returns:
+      ``(indexes, taken, held)`` as :func:`insert_held`, per row.
+    """
+    if len(sizes) != len(indexes) or any(not isinstance(n, int) or n < 0 for n in sizes):
+        fail(
+            "sizes",
+            sizes,
+            f"one non-negative int per index ({len(indexes)})",
+            "pass the static row count of each index",
+        )
+    k = _flat_keys(indexes[0], keys) if indexes else keys
+    n = sum(sizes)
+    pages = jnp.asarray(pages)
+    if pages.shape != (n,) or pages.dtype != jnp.int32 or k.shape[0] != n:
+        fail(
+            "pages",
+            f"{pages.dtype}{list(pages.shape)}",
+            f"one int32 page per key, shape ({n},) = sum(sizes)",
+            "pass int32[N] and keys of N rows",
+        )
+    v = _valid(valid, (n,))
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    cut = [slice(a, a + m) for a, m in zip(starts, sizes, strict=True)]
+    eligible, held, first, second, b_off = [], [], [], [], 0
+    boff = []
+    for ix, sl in zip(indexes, cut, strict=True):
+        kg, pg = k[sl], pages[sl]
+        usable = (pg >= 1) & (pg <= ix.num_pages - 2)
+        present, _ = _find(ix, kg)
+        h = holds(ix, pg)
+        held.append(h)
+        eligible.append(v[sl] & usable & (present == 0) & ~h)
+        f, s2 = _pick_buckets(ix, kg)
+        first.append(f)
+        second.append(s2)
+        boff.append(b_off)
+        b_off += ix.num_buckets
+    eligible = jnp.concatenate(eligible)
+    held = jnp.concatenate(held)
+    gid = jnp.concatenate([jnp.full((m,), i, jnp.int32) for i, m in enumerate(sizes)])
+    want = eligible & first_occurrence((gid, *(k[:, w] for w in range(KEY_WORDS))), eligible)
+    want = want & first_occurrence((gid, pages), eligible)
+    # Buckets numbered across indexes, so one sort ranks every index's rows.
+    first_all = jnp.concatenate([f + o for f, o in zip(first, boff, strict=True)])
+    second_all = jnp.concatenate([f + o for f, o in zip(second, boff, strict=True)])
+    rank1 = rank_within(first_all, want)
+    out, placed1 = [], []
+    for i, (ix, sl) in enumerate(zip(indexes, cut, strict=True)):
+        ix, p1 = _place(ix, k[sl], pages[sl], first[i], want[sl], rank1[sl])
+        out.append(ix)
+        placed1.append(p1)
+    placed1 = jnp.concatenate(placed1)
+    want2 = want & ~placed1
+    rank2 = rank_within(second_all, want2)
+    placed2 = []
+    for i, sl in enumerate(cut):
+        out[i], p2 = _place(out[i], k[sl], pages[sl], second[i], want2[sl], rank2[sl])
+        placed2.append(p2)
+    return tuple(out), placed1 | jnp.concatenate(placed2), held
 
 
 def remove(

@@ -209,12 +209,46 @@ def release(lru: CachedLRU, pages: jax.Array, valid: jax.Array | None = None) ->
       The new LRU.
     """
     pages, valid = _pages_arg(lru, pages, valid)
-    push = last_occurrence((pages,), valid)
+    return _push(lru, pages, last_occurrence((pages,), valid))
+
+
+def release_groups(
+    lrus: tuple[CachedLRU, ...], group: jax.Array, pages: jax.Array, valid: jax.Array
+) -> tuple[CachedLRU, ...]:
+    """:func:`release` into several LRUs at once: the same result as one call per LRU
+    (``lrus[g]`` gets the rows with ``group == g``, in batch order), with one sort for the
+    whole batch instead of one per LRU.
+
+    Args:
+      lrus: the pools' LRUs.
+      group: int32[N], the LRU of each row.
+      pages: int32[N], pages of that LRU's pool.
+      valid: bool[N].
+    """
+    pages = jnp.asarray(pages)
+    group = jnp.asarray(group)
+    if group.shape != pages.shape or group.dtype != jnp.int32:
+        fail(
+            "group",
+            f"{group.dtype}{list(group.shape)}",
+            f"one int32 LRU number per page, shape {pages.shape}",
+            "pass int32[N]",
+        )
+    usable = jnp.zeros(pages.shape, bool)
+    for g, lr in enumerate(lrus):
+        _, ok = _pages_arg(lr, pages, valid & (group == g))
+        usable = usable | ok
+    push_all = last_occurrence((group, pages), usable)
+    return tuple(_push(lr, pages, push_all & (group == g)) for g, lr in enumerate(lrus))
+
+
+def _push(lru: CachedLRU, pages: jax.Array, push: jax.Array) -> CachedLRU:
+    """The writes of :func:`release` for rows ``push`` (each page's last valid row)."""
     n_push = jnp.sum(push, dtype=jnp.uint32)
     lru = jax.lax.cond(
         lru.tail - lru.head + n_push > jnp.uint32(lru.ring_size), compact, lambda x: x, lru
     )
-    was = lru.cached[pages]
+    was = lru.cached[jnp.clip(pages, 0, lru.num_pages - 1)]
     new_pages = jnp.sum(push & ~was, dtype=jnp.int32)
     seq = lru.tail + jnp.cumsum(push.astype(jnp.uint32), dtype=jnp.uint32) - jnp.uint32(1)
     r = lru.ring_size

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from flatkv_jax import ServingLimits, plan_with_pages
-from flatkv_jax.coordinator import AdmitBatch, create_state, host, ops
+from flatkv_jax.coordinator import AdmitBatch, RetireBatch, create_state, host, ops
 from flatkv_jax.prefix.index import create_indexes
 from flatkv_jax.prefix.match import MatchLayout, match_prompts
 from flatkv_jax.recipes import deepseek_v4_groups, tiny_v4
@@ -117,3 +117,26 @@ def test_prompt_wider_than_the_tokens_is_bad_arg():
     )
     state, res = ops.admit(plan, state, batch)
     assert host.statuses(res, 2) == [Status.BAD_ARG, Status.OK]
+
+
+def _decode_retire(pages: int):
+    """The compiled decode retire (publishing on, ``max_count = decode_tokens``) of a plan
+    with ``pages`` pages per pool."""
+    plan = plan_with_pages(GROUPS, ServingLimits(B, 1024, 32, 2), pages)
+    state = jax.eval_shape(lambda: create_state(plan, seed=0))
+    i32 = jax.ShapeDtypeStruct((B,), jnp.int32)
+    batch = RetireBatch(jax.ShapeDtypeStruct((B,), jnp.bool_), i32, i32, i32)
+    return ops.retire.lower(plan, state, batch, max_count=plan.limits.decode_tokens).compile()
+
+
+def test_decode_retire_publishes_all_groups_at_once_without_index_sized_copies():
+    """Publishing inserts every group's completed blocks in one batched insert (a sort count
+    that does not grow with the number of groups: two publish branches x 4 sorts, against 4
+    per group and branch before), and no temporary grows with the pools, the indexes or the
+    LRUs (16x the pages: the same temporaries), taken branch or not."""
+    small, big = _decode_retire(1200), _decode_retire(19200)
+    sorts = small.as_text().count(" sort(")
+    assert 0 < sorts <= 10, sorts  # per-group inserts: 8 per group (56 for 7 groups)
+    t_small = small.memory_analysis().temp_size_in_bytes
+    t_big = big.memory_analysis().temp_size_in_bytes
+    assert t_big <= 1.05 * t_small + 4096, (t_small, t_big)

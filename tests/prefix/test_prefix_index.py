@@ -208,3 +208,46 @@ def test_compiles_once_and_errors():
         I.create_index(2)
     with pytest.raises(TypeError, match="it must be a CachePlan"):
         I.create_indexes("plan")
+
+
+def test_insert_groups_equals_one_insert_per_index():
+    """One batched insert into three indexes gives exactly the per-index results: duplicate
+    keys and pages within an index (first wins), the same key in two indexes (both take it),
+    tiny indexes whose buckets overflow, keys already present, pages already held."""
+    rng = np.random.default_rng(7)
+    sizes = (24, 0, 40, 17)
+    nbuckets = (2, 4, 8, 2)  # 16-entry tables: overflow and second-bucket placement happen
+    pool = (30, 10, 60, 25)
+    indexes = tuple(I.create_index(p, num_buckets=b) for p, b in zip(pool, nbuckets, strict=True))
+    shared = _keys(64, seed=11)
+    # Pre-populate: a few keys present, a few pages held.
+    indexes = tuple(
+        I.insert(ix, shared[:5], jnp.arange(1, 6, dtype=jnp.int32) + i, None)[0]
+        for i, ix in enumerate(indexes)
+    )
+    for trial in range(3):
+        ks, ps, vs = [], [], []
+        for n, p in zip(sizes, pool, strict=True):
+            ks.append(shared[rng.integers(0, 40, n)])  # duplicates within and across indexes
+            ps.append(jnp.asarray(rng.integers(0, p, n), jnp.int32))  # incl. reserved, dups
+            vs.append(jnp.asarray(rng.random(n) < 0.85))
+        want = [I.insert_held(ix, k, p, v) for ix, k, p, v in zip(indexes, ks, ps, vs, strict=True)]
+        got_ix, taken, held = jax.jit(I.insert_groups, static_argnums=1)(
+            indexes, sizes, jnp.concatenate(ks), jnp.concatenate(ps), jnp.concatenate(vs)
+        )
+        np.testing.assert_array_equal(np.asarray(taken), np.concatenate([w[1] for w in want]))
+        np.testing.assert_array_equal(np.asarray(held), np.concatenate([w[2] for w in want]))
+        assert np.asarray(taken).any() and not np.asarray(taken).all(), trial
+        for g, w in zip(got_ix, want, strict=True):
+            for a, b in zip(
+                jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(w[0]), strict=True
+            ):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            _check_consistent(g)
+        indexes = got_ix
+    with pytest.raises(ValueError, match="one non-negative int per index"):
+        I.insert_groups(indexes, (1, 2), shared[:3], jnp.ones((3,), jnp.int32), jnp.ones(3, bool))
+    with pytest.raises(ValueError, match="sum\\(sizes\\)"):
+        I.insert_groups(
+            indexes, (1, 0, 1, 0), shared[:3], jnp.ones((3,), jnp.int32), jnp.ones(3, bool)
+        )

@@ -232,3 +232,39 @@ def test_donated_updates_are_in_place():
         limit = 64 * 1024 if tiny_temp else 32 * L.COMPACT_CHUNK
         assert mem.temp_size_in_bytes < limit, mem.temp_size_in_bytes
     assert lru.ring.nbytes // 2 > 32 * L.COMPACT_CHUNK
+
+
+def test_release_groups_equals_one_release_per_lru():
+    """One batched push into three LRUs gives exactly the per-LRU results: duplicates in a
+    batch, pages of another pool's range, reserved pages, acquires in between (stale entries)
+    and small rings that must compact."""
+    rng = np.random.default_rng(3)
+    pool = (12, 20, 9)
+    lrus = tuple(L.create_lru(p, ring_size=r) for p, r in zip(pool, (32, 64, 16), strict=True))
+    batched = jax.jit(L.release_groups)
+    compacted = False
+    for _ in range(12):
+        n = 24
+        group = rng.integers(0, 3, n).astype(np.int32)
+        pages = rng.integers(-1, 21, n).astype(np.int32)  # incl. -1, 0, scratch, out of range
+        valid = rng.random(n) < 0.8
+        want = tuple(
+            L.release(lr, jnp.asarray(pages), jnp.asarray(valid & (group == g)))
+            for g, lr in enumerate(lrus)
+        )
+        got = batched(lrus, jnp.asarray(group), jnp.asarray(pages), jnp.asarray(valid))
+        for a, b in zip(
+            jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True
+        ):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        for g, (lr, old) in enumerate(zip(got, lrus, strict=True)):
+            ok = valid & (group == g) & (pages >= 1) & (pages <= pool[g] - 2)
+            compacted |= int(lr.tail) != int(old.tail) + len(set(pages[ok].tolist()))
+        # Re-hit some pages: their ring entries go stale, so the rings fill and compact.
+        lrus = tuple(
+            acquire(lr, jnp.asarray(rng.integers(1, p - 1, 4).astype(np.int32)), None)[0]
+            for lr, p in zip(got, pool, strict=True)
+        )
+    assert compacted and any(int(lr.count) > 0 for lr in lrus)
+    with pytest.raises(ValueError, match="one int32 LRU number per page"):
+        L.release_groups(lrus, jnp.zeros((3,), jnp.int32), _pages(1, 2), jnp.ones(2, bool))
