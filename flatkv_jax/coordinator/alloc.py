@@ -7,14 +7,14 @@ import jax
 import jax.numpy as jnp
 
 from flatkv_jax.block_pool import (
-    Acquired,
-    acquire,
+    Allocation,
+    allocate,
     decref,
     decref_left,
     evictable_pages,
     fit,
 )
-from flatkv_jax.coordinator.layout import geometry
+from flatkv_jax.coordinator.layout import per_group, state_layout
 from flatkv_jax.coordinator.publish import final_publish, publish_blocks
 from flatkv_jax.coordinator.rows import ceil_div, replace, set_cols, set_rows
 from flatkv_jax.coordinator.segments import segment_rows
@@ -35,13 +35,13 @@ def grow(
     k: int,
     hi: jax.Array | None = None,
     pinned_cached: jax.Array | None = None,
-) -> tuple[CacheState, jax.Array, Acquired]:
+) -> tuple[CacheState, jax.Array, Allocation]:
     """Allocates every block ``[hi, ceil(new_end / B))`` of every group, atomically, in order.
 
     Supply per pool is free + unpinned cached-only pages; the served rows take the free stack
     first and only then evict LRU cached-only pages (pages matched by the current admission
     are pinned in ``state.pinned``). Returns the state with tables and ``hi`` updated for the
-    served rows, the served mask and the :class:`~flatkv_jax.block_pool.Acquired` (pages,
+    served rows, the served mask and the :class:`~flatkv_jax.block_pool.Allocation` (pages,
     shortage).
 
     Args:
@@ -49,11 +49,11 @@ def grow(
         the hit's ``h / B``).
       pinned_cached: ``int32[G]`` cached-only pages pinned by this call (default 0).
     """
-    geo = geometry(plan)
+    lay = state_layout(plan)
     layout = pool_layout(plan)
     n_g = len(plan.groups)
     hi = state.hi[:, s].T if hi is None else hi  # [B, G]
-    needs = jnp.maximum(0, ceil_div(new_end[:, None], geo.a("block_tokens")[None, :]) - hi)
+    needs = jnp.maximum(0, ceil_div(new_end[:, None], per_group(lay.block_tokens)[None, :]) - hi)
     needs = jnp.where(want[:, None], needs, 0)
     top = state.allocator.top
     if state.prefix:
@@ -70,11 +70,13 @@ def grow(
         )
     else:
         served, short_group, short_pages, _ = fit(needs, want, top)
-    pools, got = acquire(state.allocator, layout, needs, served, k)
-    got = Acquired(served, short_group, short_pages, got.pages)
+    pools, got = allocate(state.allocator, layout, needs, served, k)
+    got = Allocation(served, short_group, short_pages, got.pages)
     take = got.pages >= 0  # [B, G, K]
     j = jnp.arange(k, dtype=_I32)[None, None, :]
-    row_base = geo.a("table_offset")[None, :] + s[:, None] * geo.a("width")[None, :]
+    row_base = (
+        per_group(lay.table_offset)[None, :] + s[:, None] * per_group(lay.table_width)[None, :]
+    )
     idx = (row_base + hi)[:, :, None] + j
     tables = state.table_buffer.at[jnp.where(take, idx, table_size(plan))].set(
         got.pages, mode="drop"
@@ -100,7 +102,7 @@ def evict(plan: CachePlan, state: CacheState, n: jax.Array, max_pages: int) -> C
     return replace(state, allocator=pools, lrus=tuple(lrus), indexes=tuple(indexes))
 
 
-def zero_lists(got: Acquired) -> jax.Array:
+def zero_lists(got: Allocation) -> jax.Array:
     """``[G, B * K]``: every page handed out, per pool, padded with -1."""
     b, g, k = got.pages.shape
     return jnp.transpose(got.pages, (1, 0, 2)).reshape(g, b * k)
@@ -123,7 +125,7 @@ def sweep(
     order, each row from its highest slot down, so a row's pages become cached-only tail first
     (the oracle's tie order). Cost O(entries changed), in chunks of ``chunk`` entries across
     all groups."""
-    geo = geometry(plan)
+    lay = state_layout(plan)
     layout = pool_layout(plan)
     n_g, b = start.shape
     length = jnp.where(mask[None, :], jnp.maximum(end - start, 0), 0).reshape(-1)  # [G * B]
@@ -131,7 +133,9 @@ def sweep(
     excl = incl - length
     total = incl[-1]
     group = jnp.broadcast_to(jnp.arange(n_g, dtype=_I32)[:, None], (n_g, b)).reshape(-1)
-    row_base = (geo.a("table_offset")[:, None] + geo.a("width")[:, None] * s[None, :]).reshape(-1)
+    row_base = (
+        per_group(lay.table_offset)[:, None] + per_group(lay.table_width)[:, None] * s[None, :]
+    ).reshape(-1)
     # Table index of flat entry e is last[q] - e: each segment is walked from its end down.
     last = (row_base + start.reshape(-1) + length - 1) + excl
     size = table_size(plan)

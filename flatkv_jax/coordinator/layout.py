@@ -132,37 +132,3 @@ def pages_per_row(plan: CachePlan, max_count: int) -> int:
     for the smallest block span ``B`` (a step of ``n <= max_count`` tokens opens at most
     ``ceil(n / B)`` new blocks, since blocks ``< hi`` are already allocated)."""
     return -(-max_count // min(state_layout(plan).block_tokens))
-
-
-# Transitional: alloc and publish still read this view; the layout above is the source.
-@dataclasses.dataclass(frozen=True)
-class Geometry:
-    """Per-group constants of a plan, as tuples (turned into small constant arrays in jit)."""
-
-    block_tokens: tuple[int, ...]
-    rows_per_page: tuple[int, ...]
-    tokens_per_row: tuple[int, ...]
-    width: tuple[int, ...]
-    table_offset: tuple[int, ...]
-    is_window: tuple[bool, ...]
-    window: tuple[int, ...]
-
-    def a(self, name: str) -> jax.Array:
-        """The named constant as a ``[G]`` array."""
-        dtype = jnp.bool_ if name == "is_window" else _I32
-        return jnp.asarray(getattr(self, name), dtype)
-
-
-@functools.cache
-def geometry(plan: CachePlan) -> Geometry:
-    """The per-group constants the vectorised operations need."""
-    lay = state_layout(plan)
-    return Geometry(
-        block_tokens=lay.block_tokens,
-        rows_per_page=lay.rows_per_page,
-        tokens_per_row=lay.tokens_per_row,
-        width=lay.table_width,
-        table_offset=lay.table_offset,
-        is_window=lay.is_window,
-        window=lay.window,
-    )

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from flatkv_jax.block_pool import incref
 from flatkv_jax.coordinator.batches import ReleaseMode
-from flatkv_jax.coordinator.layout import geometry
+from flatkv_jax.coordinator.layout import state_layout
 from flatkv_jax.coordinator.rows import replace, set_rows
 from flatkv_jax.coordinator.state import CacheState, pool_layout, table_size
 from flatkv_jax.plan import CachePlan
@@ -60,7 +60,7 @@ def pin(plan: CachePlan, state: CacheState, m, rows: jax.Array, on: bool):
 def take_hits(plan: CachePlan, state: CacheState, m, s: jax.Array, served, listing) -> CacheState:
     """Served rows take their hit pages (+1 reference, out of the LRU) into their tables;
     the pin mask is cleared again."""
-    geo = geometry(plan)
+    lay = state_layout(plan)
     group, pages = listing
     listed = pages > 0
     pinned, lrus = [], []
@@ -82,10 +82,10 @@ def take_hits(plan: CachePlan, state: CacheState, m, s: jax.Array, served, listi
     pools = incref(state.allocator, pool_layout(plan), group, jnp.where(took, pages, -1))
     tables = state.table_buffer
     for g, p in enumerate(m.pages):
-        w = geo.width[g]
+        w = lay.table_width[g]
         cols = min(p.shape[1], w)
         j = jnp.arange(cols, dtype=_I32)[None, :]
-        idx = geo.table_offset[g] + s[:, None] * w + j
+        idx = lay.table_offset[g] + s[:, None] * w + j
         val = p[:, :cols]
         ok = served[:, None] & (val >= 0)
         tables = tables.at[jnp.where(ok, idx, table_size(plan))].set(val, mode="drop")
@@ -180,8 +180,8 @@ def _completed_blocks(
 ) -> _Blocks:
     """Group ``g``'s blocks completed in ``(c_old, c_new]`` (at most ``width // B + 1`` per
     row), preceded with ``retry`` by the rows' deferred blocks of that group."""
-    geo = geometry(plan)
-    bt, w = geo.block_tokens[g], geo.width[g]
+    lay = state_layout(plan)
+    bt, w = lay.block_tokens[g], lay.table_width[g]
     n_ends = width // bt + 1
     ends = (c_old[:, None] // bt + 1 + jnp.arange(n_ends, dtype=_I32)[None, :]) * bt
     ok = pub[:, None] & (ends <= c_new[:, None])
@@ -197,7 +197,7 @@ def _completed_blocks(
         ok = jnp.concatenate([mine, ok], axis=1)
         new_sums = jnp.concatenate([d_sums, new_sums], axis=1)
         slot = jnp.concatenate([jnp.clip(d_slot, 0, w - 1), slot], axis=1)
-    entry = state.table_buffer[geo.table_offset[g] + s[:, None] * w + slot]
+    entry = state.table_buffer[lay.table_offset[g] + s[:, None] * w + slot]
     group = jnp.full(ok.shape, g, _I32)
     return _Blocks(group, ends, new_sums, slot, entry, ok & (entry >= 1))
 
