@@ -77,14 +77,8 @@ def _huge_plan(pages):
     return plan_with_pages(groups, lim, pages)
 
 
-@pytest.mark.parametrize("op", ["extend", "reclaim", "release", "retire", "admit"])
-def test_no_pool_sized_temporaries(op):
-    """With the state donated, a 1M-page pool is updated in place: XLA's temporaries stay far
-    below one pool-sized int32 array (4 MiB). Guards against XLA copying state buffers: a cond
-    with two writing branches, a buffer read inside a cond or loop and written after it
-    without a data dependency, or a loop-invariant operand live after the loop
-    (docs/coordinator.md, "Cost rules")."""
-    plan = _huge_plan(1 << 20)
+def _temp_and_alias(op, pages):
+    plan = _huge_plan(pages)
     state = jax.eval_shape(lambda: create_state(plan))
     tokens = np.zeros((1, 32), np.int32)
     batch = {
@@ -94,12 +88,27 @@ def test_no_pool_sized_temporaries(op):
         "retire": host.retire_batch(plan, [((0, 0), 1)]),
         "admit": host.admit_batch(plan, [(32, 16)], tokens=tokens.tolist()),
     }[op]
-    fn = getattr(ops, op)
-    compiled = fn.lower(plan, state, batch).compile()
+    compiled = getattr(ops, op).lower(plan, state, batch).compile()
     mem = compiled.memory_analysis()
+    return plan, mem.temp_size_in_bytes, mem.alias_size_in_bytes
+
+
+@pytest.mark.parametrize("op", ["extend", "reclaim", "release", "retire", "admit"])
+def test_no_pool_sized_temporaries(op):
+    """With the state donated, a 1M-page pool is updated in place: XLA's temporaries do not
+    grow with the pools (a 256k-page plan compiles to the same temporaries) and stay far below
+    one pool-sized int32 array (4 MiB). Guards against XLA copying state buffers: a cond
+    with two writing branches, a buffer read inside a cond or loop and written after it
+    without a data dependency, or a loop-invariant operand live after the loop
+    (docs/coordinator.md, "Cost rules"). The batched publish and LRU push work on per-step
+    rows of every group at once (about 0.6 MB here), which is why the bound is a quarter of
+    one pool rather than an eighth."""
+    plan, temp, alias = _temp_and_alias(op, 1 << 20)
+    _, small_temp, _ = _temp_and_alias(op, 1 << 18)
     pool_bytes = 4 * plan.pages(0)
-    assert mem.temp_size_in_bytes < pool_bytes // 8, (op, mem.temp_size_in_bytes)
-    assert mem.alias_size_in_bytes >= 2 * pool_bytes * len(plan.groups)
+    assert temp == small_temp, (op, temp, small_temp)
+    assert temp < pool_bytes // 4, (op, temp)
+    assert alias >= 2 * pool_bytes * len(plan.groups)
 
 
 def test_plan_used_by_scenarios_is_small():
