@@ -126,7 +126,7 @@ def main() -> None:
     )
 
     evict_d = jax.jit(L.evict, static_argnames="max_pages", donate_argnums=(0, 1))
-    release_d = jax.jit(L.release, donate_argnums=0)
+    release_d = jax.jit(L.cache, donate_argnums=0)
     lru = L.create_lru(plan.pages(groups[gi]))
     ts = []
     for _ in range(args.reps + 1):

@@ -333,9 +333,3 @@ def _flat_ids(layout: PoolLayout, group: jax.Array, pages: jax.Array) -> jax.Arr
     """Flat refcount index of (pool, page), or -1 for pages < 1 (never the null page)."""
     page_off = jnp.asarray(layout.page_offset, _I32)
     return jnp.where(pages > 0, page_off[jnp.clip(group, 0, layout.num_pools - 1)] + pages, -1)
-
-
-# Former names, kept while callers move to allocate/Allocation (the glossary keeps "acquire"
-# and "release" away from the allocator).
-acquire = allocate
-Acquired = Allocation

@@ -166,7 +166,7 @@ def sweep(
         if lrus:  # none without a prefix index
             lrus = jax.lax.cond(
                 jnp.any(now_cached),
-                lambda lr: lru_lib.release_groups(lr, gq, pages, now_cached),
+                lambda lr: lru_lib.cache_groups(lr, gq, pages, now_cached),
                 lambda lr: lr,
                 lrus,
             )

@@ -77,7 +77,7 @@ def take_hits(plan: CachePlan, state: CacheState, m, s: jax.Array, served, listi
     )
     took = listed & take_rows
     for g in range(len(plan.groups)):
-        lr, _ = lru_lib.acquire(state.lrus[g], jnp.where(took & (group == g), pages, 0))
+        lr, _ = lru_lib.take(state.lrus[g], jnp.where(took & (group == g), pages, 0))
         lrus.append(lr)
     pools = incref(state.allocator, pool_layout(plan), group, jnp.where(took, pages, -1))
     tables = state.table_buffer

@@ -2,8 +2,8 @@
 
 Design: a FIFO ring of page ids in the order pages became cached-only, plus per page the
 sequence number of its one **live** ring entry. A page becomes cached-only when its last table
-reference drops while the index still holds it (:func:`release`: push at the tail); it leaves
-the LRU when a prefix hit takes it back (:func:`acquire`) or when it is evicted (:func:`evict`).
+reference drops while the index still holds it (:func:`cache`: push at the tail); it leaves
+the LRU when a prefix hit takes it back (:func:`take`) or when it is evicted (:func:`evict`).
 Acquiring does not search the ring: it only clears the page's ``cached`` flag, so its ring
 entry goes **stale**; eviction pops from the head and skips stale entries (an entry at sequence
 ``q`` is live iff ``cached[page] and seq_of_page[page] == q``). Order of becoming unreferenced
@@ -194,7 +194,7 @@ def compact(lru: CachedLRU, chunk: int = COMPACT_CHUNK) -> CachedLRU:
     return dataclasses.replace(lru, ring=ring, seq_of_page=seq_of_page, tail=lru.head + kept)
 
 
-def release(lru: CachedLRU, pages: jax.Array, valid: jax.Array | None = None) -> CachedLRU:
+def cache(lru: CachedLRU, pages: jax.Array, valid: jax.Array | None = None) -> CachedLRU:
     """Pushes pages that just became cached-only, least recent first (batch order).
 
     A page pushed twice (in one batch, or while already cached) keeps only its latest position.
@@ -212,10 +212,10 @@ def release(lru: CachedLRU, pages: jax.Array, valid: jax.Array | None = None) ->
     return _push(lru, pages, last_occurrence((pages,), valid))
 
 
-def release_groups(
+def cache_groups(
     lrus: tuple[CachedLRU, ...], group: jax.Array, pages: jax.Array, valid: jax.Array
 ) -> tuple[CachedLRU, ...]:
-    """:func:`release` into several LRUs at once: the same result as one call per LRU
+    """:func:`cache` into several LRUs at once: the same result as one call per LRU
     (``lrus[g]`` gets the rows with ``group == g``, in batch order), with one sort for the
     whole batch instead of one per LRU.
 
@@ -243,7 +243,7 @@ def release_groups(
 
 
 def _push(lru: CachedLRU, pages: jax.Array, push: jax.Array) -> CachedLRU:
-    """The writes of :func:`release` for rows ``push`` (each page's last valid row)."""
+    """The writes of :func:`cache` for rows ``push`` (each page's last valid row)."""
     n_push = jnp.sum(push, dtype=jnp.uint32)
     lru = jax.lax.cond(
         lru.tail - lru.head + n_push > jnp.uint32(lru.ring_size), compact, lambda x: x, lru
@@ -267,7 +267,7 @@ def _push(lru: CachedLRU, pages: jax.Array, push: jax.Array) -> CachedLRU:
     )
 
 
-def acquire(
+def take(
     lru: CachedLRU, pages: jax.Array, valid: jax.Array | None = None
 ) -> tuple[CachedLRU, jax.Array]:
     """Takes pages out of the LRU because a prefix hit references them again.

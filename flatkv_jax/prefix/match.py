@@ -224,7 +224,7 @@ def match_prompts(
 
     Returns:
       :class:`PrefixMatch`. Nothing is mutated: the caller takes references (refcount +1,
-      :func:`flatkv_jax.prefix.lru.acquire`) only once the admission succeeds.
+      :func:`flatkv_jax.prefix.lru.take`) only once the admission succeeds.
     """
     if not isinstance(layout, MatchLayout):
         fail(

@@ -17,8 +17,8 @@ from flatkv_jax.prefix import index as I
 from flatkv_jax.prefix import keys as K
 from flatkv_jax.prefix import lru as L
 
-release = jax.jit(L.release)
-acquire = jax.jit(L.acquire)
+release = jax.jit(L.cache)
+acquire = jax.jit(L.take)
 evict = jax.jit(L.evict, static_argnames="max_pages")
 
 
@@ -195,9 +195,9 @@ def test_errors():
         L.create_lru(12, ring_size=48)
     lru = L.create_lru(12)
     with pytest.raises(ValueError, match="pages are int32"):
-        L.release(lru, jnp.zeros((2,), jnp.uint32))
+        L.cache(lru, jnp.zeros((2,), jnp.uint32))
     with pytest.raises(ValueError, match="a bool mask shaped like pages"):
-        L.acquire(lru, jnp.zeros((2,), jnp.int32), jnp.zeros((3,), bool))
+        L.take(lru, jnp.zeros((2,), jnp.int32), jnp.zeros((3,), bool))
     with pytest.raises(ValueError, match="max_pages=-1 is invalid"):
         L.evict(lru, I.create_index(12), jnp.int32(1), max_pages=-1)
     assert L.default_ring_size(10) == 64 and len(L.create_lrus.__doc__) > 0
@@ -223,7 +223,7 @@ def test_donated_updates_are_in_place():
             True,
         ),
         # release may compact: in place, chunk by chunk (no ring-sized temporaries either)
-        (jax.jit(L.release, donate_argnums=0).lower(lru, pages, None), nbytes(lru), False),
+        (jax.jit(L.cache, donate_argnums=0).lower(lru, pages, None), nbytes(lru), False),
     ]
     for lowered, state_bytes, tiny_temp in cases:
         mem = lowered.compile().memory_analysis()
@@ -241,7 +241,7 @@ def test_release_groups_equals_one_release_per_lru():
     rng = np.random.default_rng(3)
     pool = (12, 20, 9)
     lrus = tuple(L.create_lru(p, ring_size=r) for p, r in zip(pool, (32, 64, 16), strict=True))
-    batched = jax.jit(L.release_groups)
+    batched = jax.jit(L.cache_groups)
     compacted = False
     for _ in range(12):
         n = 24
@@ -249,7 +249,7 @@ def test_release_groups_equals_one_release_per_lru():
         pages = rng.integers(-1, 21, n).astype(np.int32)  # incl. -1, 0, scratch, out of range
         valid = rng.random(n) < 0.8
         want = tuple(
-            L.release(lr, jnp.asarray(pages), jnp.asarray(valid & (group == g)))
+            L.cache(lr, jnp.asarray(pages), jnp.asarray(valid & (group == g)))
             for g, lr in enumerate(lrus)
         )
         got = batched(lrus, jnp.asarray(group), jnp.asarray(pages), jnp.asarray(valid))
@@ -267,4 +267,4 @@ def test_release_groups_equals_one_release_per_lru():
         )
     assert compacted and any(int(lr.count) > 0 for lr in lrus)
     with pytest.raises(ValueError, match="one int32 LRU number per page"):
-        L.release_groups(lrus, jnp.zeros((3,), jnp.int32), _pages(1, 2), jnp.ones(2, bool))
+        L.cache_groups(lrus, jnp.zeros((3,), jnp.int32), _pages(1, 2), jnp.ones(2, bool))
