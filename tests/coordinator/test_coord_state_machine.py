@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import functools
 import os
+import pathlib
+import subprocess
+import sys
 from collections import Counter
 from typing import ClassVar
 
@@ -561,7 +564,24 @@ PREFIX_SETTINGS = settings(
 def test_prefix_machine_hits_pins_evicts_and_publishes():
     """The prefix machine, with every invariant after every step; and over the run the
     coordinator served hits, published blocks, evicted cached pages and allocated pages while a
-    batched admit pinned its hits (a generator that never gets there is a defect, not a pass)."""
+    batched admit pinned its hits (a generator that never gets there is a defect, not a pass).
+
+    It runs in a fresh pytest process: once a CI worker had run other test files first, the
+    same derandomized run saw no eviction, so process-wide state left by another file reaches
+    it; isolated, the derandomized run is reproducible (the cause is not yet found)."""
+    if os.environ.get("FLATKV_PREFIX_MACHINE_INNER") != "1":
+        node = f"{__file__}::test_prefix_machine_hits_pins_evicts_and_publishes"
+        r = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", node],
+            cwd=pathlib.Path(__file__).parents[2],
+            env=os.environ | {"FLATKV_PREFIX_MACHINE_INNER": "1"},
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            check=False,
+        )
+        assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
+        return
     PrefixMachine.stats = stats = Counter()
     run_state_machine_as_test(PrefixMachine, settings=PREFIX_SETTINGS)
     # ("evict while pinned" is counted too; CI's few examples seldom reach it.)
