@@ -9,7 +9,7 @@ between devices. Page ids are rank-local. See docs/scaling.md.
 - :func:`rank_mesh`, :data:`RANK_AXIS`, :func:`rank_seeds` (:mod:`.mesh`)
 - :func:`create_state_sharded`, :func:`create_pools_sharded`, :func:`unstack_rank`,
   :func:`rank_sharding` (:mod:`.arrays`)
-- :func:`per_rank`, :class:`RankStep` (:mod:`.step`)
+- :func:`per_rank`, :class:`RankStep`, :func:`collectives_in` (:mod:`.step`)
 - :func:`rank_report`, :class:`RankReport` (:mod:`.report`)
 """
 
@@ -21,12 +21,14 @@ from flatkv_jax.sharding.arrays import (
 )
 from flatkv_jax.sharding.mesh import RANK_AXIS, rank_mesh, rank_seeds
 from flatkv_jax.sharding.report import RankReport, rank_capacity, rank_report
-from flatkv_jax.sharding.step import RankStep, per_rank
+from flatkv_jax.sharding.step import COLLECTIVE_OPS, RankStep, collectives_in, per_rank
 
 __all__ = [
+    "COLLECTIVE_OPS",
     "RANK_AXIS",
     "RankReport",
     "RankStep",
+    "collectives_in",
     "create_pools_sharded",
     "create_state_sharded",
     "per_rank",

@@ -195,3 +195,24 @@ def per_rank(
                 "list each position once",
             )
     return RankStep(mesh, f, replicated, donate, static)
+
+
+#: Every collective HLO op; ``all-reduce`` etc. also match their async ``-start``/``-done``
+#: spellings. A per-rank step must contain none of them.
+COLLECTIVE_OPS = (
+    "all-reduce",
+    "all-gather",
+    "all-to-all",
+    "collective-permute",
+    "reduce-scatter",
+    "collective-broadcast",
+    "ragged-all-to-all",
+)
+
+
+def collectives_in(hlo_text: str) -> list[str]:
+    """The collective ops named in a compiled step's HLO text (``compiled.as_text()``).
+
+    Use it to check that a sharded step stays rank-local: ``collectives_in(text) == []``.
+    """
+    return [op for op in COLLECTIVE_OPS if op in hlo_text]

@@ -20,6 +20,7 @@ from flatkv_jax.coordinator import create_state
 from flatkv_jax.coordinator.state import state_bytes
 from flatkv_jax.pools import create_pools, pool_specs
 from flatkv_jax.sharding import (
+    collectives_in,
     create_pools_sharded,
     create_state_sharded,
     per_rank,
@@ -30,22 +31,6 @@ from flatkv_jax.sharding import (
 )
 
 RANKS, STEPS, SEED = 8, 14, 3
-#: Every collective HLO op, in its sync and async (-start / -done) spellings.
-COLLECTIVES = (
-    "all-reduce",
-    "all-gather",
-    "all-to-all",
-    "collective-permute",
-    "reduce-scatter",
-    "collective-broadcast",
-    "ragged-all-to-all",
-)
-
-
-def collectives_in(hlo_text: str) -> list[str]:
-    """The collective ops named in an HLO text (``all-reduce`` also matches its -start/-done
-    forms)."""
-    return [op for op in COLLECTIVES if op in hlo_text]
 
 
 def stack(trees, mesh):
