@@ -25,6 +25,24 @@ freed. Within one step vLLM lets a request hit blocks that an earlier admission 
 step computes; our coordinator shares only published blocks, so one admission call never
 holds two prompts with the same first granule (the next call sees the first one's blocks).
 
+Admission shapes. One admission call is compiled per ``(rows, width)``: ``rows`` is the next
+power of two holding the call's prompts (1, 2, 4, 8, at most ``--admit-rows``) and ``width``
+the token width ``host.token_width`` gives its longest prompt (a power of two: 1024, 2048 or
+4096 on the default trace). Both ``admit`` and the prefill's ``retire`` get ``max_count =
+width``, so a call hashes, matches, allocates and publishes ``rows x width`` token columns,
+never ``admit_rows x chunk_tokens``. With the peer's 8 system prompts a call holds at most 8
+prompts (one per distinct first granule), so at most 4 x 3 = 12 shapes occur and usually
+about 8. Each costs ~30-50 s of XLA compilation on the 2-core machine (the compiled
+retire alone is ~30 s whatever the width: its HLO size, not the width, drives it), so the
+script keeps XLA's persistent compilation cache (``--compile-cache``): a second run
+compiles nothing. Compile seconds are printed per shape (``compile`` lines).
+
+``--oracle`` replays every call in lockstep on the host oracle (``flatkv_jax.oracle``: a
+plan with the same page geometry and page counts, one layer and one-byte rows, since only
+the bookkeeping is compared) and stops at the first row whose status or hit differs, or
+whose pool counts (free / in use / cached-only) differ after a step; it prints both hit
+rates. Use it with a small ``B`` (at most 32: the oracle is plain Python).
+
 The first call of every compiled shape is not timed (compilation). Run both in one go (see
 docs/benchmarks.md, "Versus vLLM")::
 
@@ -37,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import json
 import math
 import os
@@ -62,6 +81,14 @@ from flatkv_jax.coordinator import (
     create_state,
     host,
     ops,
+)
+from flatkv_jax.formats import RowFormat
+from flatkv_jax.groups import FieldSpec
+from flatkv_jax.oracle import (
+    OracleAdmitBatch,
+    OracleExtendBatch,
+    OracleHandleBatch,
+    RadixOracle,
 )
 from flatkv_jax.recipes import deepseek_v4_groups, v4_flash
 from flatkv_jax.status import Status
@@ -113,6 +140,120 @@ def pool_pages(gs, batch: int, max_len: int, budget: int, factor: float) -> dict
     return out
 
 
+def row_bucket(n: int, cap: int) -> int:
+    """Rows of an admission call holding ``n`` prompts: the next power of two, at most
+    ``cap`` (few compiled shapes; padding rows are masked and cost ``rows x width``)."""
+    r = 1
+    while r < n:
+        r *= 2
+    return min(r, max(cap, n))
+
+
+def oracle_plan(plan):
+    """``plan``'s page geometry (spans, windows, retention, page counts, limits) with one
+    layer and one-byte rows per group: the oracle's bookkeeping is the same, and its host
+    page contents (one NumPy array per layer and field) stay small."""
+    tiny = FieldSpec("x", RowFormat("byte", "uint8", (1,)))
+    gs = tuple(dataclasses.replace(g, layers=g.layers[:1], fields=(tiny,)) for g in plan.groups)
+    out = plan_with_pages(gs, plan.limits, {g.name: plan.usable_pages(g) for g in plan.groups})
+    for a, b in zip(plan.groups, out.groups, strict=True):
+        if plan.pages(a) != out.pages(b) or a.block_tokens != b.block_tokens:
+            raise SystemExit(f"oracle plan: group {a.name} differs ({plan.pages(a)} pages)")
+    if out.prefix_granularity != plan.prefix_granularity:
+        raise SystemExit("oracle plan: another prefix granularity")
+    return out
+
+
+class OracleShadow:
+    """The host oracle driven in lockstep with the coordinator (``--oracle``): every call is
+    replayed on it, and the first row whose status or hit differs stops the run."""
+
+    def __init__(self, plan, batch: int):
+        self.plan = plan
+        self.oracle = RadixOracle(oracle_plan(plan))
+        self.handles: dict[int, tuple[int, int]] = {}  # rid -> the oracle's (slot, generation)
+        self.b = batch
+        self.hits = self.tokens = 0
+
+    def _handles(self, rids, arg):
+        n = max(len(rids), 1)
+        v = np.zeros(n, bool)
+        v[: len(rids)] = True
+        slot = np.zeros(n, np.int32)
+        gen = np.zeros(n, np.int32)
+        for j, rid in enumerate(rids):
+            slot[j], gen[j] = self.handles[rid]
+        return OracleHandleBatch(v, slot, gen, np.asarray(arg, np.int32).reshape(-1)[:n])
+
+    def _expect_ok(self, step, what, res, n):
+        bad = [Status(int(x)).name for x in res.status[:n] if x != Status.OK]
+        if bad:
+            raise SystemExit(f"oracle: step {step} {what}: statuses {bad} where the device had OK")
+
+    def admit(self, step, rids, ab: AdmitBatch, status, hit):
+        rows = len(rids)
+        ob = OracleAdmitBatch(
+            valid=np.asarray(ab.valid)[:rows],
+            namespace=np.zeros(rows, np.int32),
+            tokens=np.asarray(ab.tokens)[:rows],
+            prompt_len=np.asarray(ab.prompt_len)[:rows],
+            first_chunk=np.asarray(ab.first_chunk)[:rows],
+        )
+        res = self.oracle.admit(ob)
+        for j in range(rows):
+            if res.status[j] != status[j] or res.hit[j] != hit[j]:
+                raise SystemExit(
+                    f"oracle: step {step} admission row {j} (req-{rids[j]}): device "
+                    f"{Status(int(status[j])).name} hit {int(hit[j])}, oracle "
+                    f"{Status(int(res.status[j])).name} hit {int(res.hit[j])}"
+                )
+        ok = [j for j in range(rows) if res.status[j] == Status.OK]
+        for j in ok:
+            self.handles[rids[j]] = (int(res.slot[j]), int(res.generation[j]))
+            self.hits += int(res.hit[j])
+            self.tokens += int(ob.prompt_len[j])
+        with_step = [rids[j] for j in ok if res.count[j] > 0]
+        counts = [int(res.count[j]) for j in ok if res.count[j] > 0]
+        if with_step:
+            r = self.oracle.retire(self._handles(with_step, counts))
+            self._expect_ok(step, "prefill retire", r, len(with_step))
+        if ok:
+            oks = [rids[j] for j in ok]
+            r = self.oracle.reclaim(self._handles(oks, np.zeros(len(oks))))
+            self._expect_ok(step, "prefill reclaim", r, len(oks))
+
+    def decode(self, step, rids, tokens):
+        hb = self._handles(rids, np.ones(len(rids)))
+        eb = OracleExtendBatch(
+            hb.valid, hb.slot, hb.generation, np.ones(len(rids), np.int32),
+            np.asarray(tokens, np.int32).reshape(-1, 1),
+        )  # fmt: skip
+        self._expect_ok(step, "decode extend", self.oracle.extend(eb), len(rids))
+        self._expect_ok(step, "decode retire", self.oracle.retire(hb), len(rids))
+        r = self.oracle.reclaim(self._handles(rids, np.zeros(len(rids))))
+        self._expect_ok(step, "decode reclaim", r, len(rids))
+
+    def release(self, step, rids):
+        r = self.oracle.release(self._handles(rids, np.full(len(rids), int(ReleaseMode.FINISH))))
+        self._expect_ok(step, "release", r, len(rids))
+        for rid in rids:
+            del self.handles[rid]
+
+    def check_counts(self, step, state):
+        c = self.oracle.counts()
+        free = np.asarray(state.allocator.top)
+        cached = np.array([int(lr.count) for lr in state.lrus])
+        if not (np.array_equal(c.free, free) and np.array_equal(c.cached_only, cached)):
+            raise SystemExit(
+                f"oracle: step {step}: pool counts differ: free device {free.tolist()} "
+                f"oracle {c.free.tolist()}, cached-only device {cached.tolist()} oracle "
+                f"{c.cached_only.tolist()}"
+            )
+
+    def hit_rate(self) -> float:
+        return self.hits / max(1, self.tokens)
+
+
 class Run:
     """One pass of the trace through the coordinator."""
 
@@ -142,10 +283,14 @@ class Run:
             return state, (er.status, rr.status)
 
         def admit(state, ab):
-            state, res = ops.admit_fn(plan, state, ab)
+            # Static: the call's bucketed token width bounds the first chunk (every prompt
+            # fits it) and the prefill's accepted count, so admit allocates and retire
+            # hashes and publishes `width` columns per row, not `chunk_tokens`.
+            mc = min(ab.tokens.shape[1], plan.limits.max_count)
+            state, res = ops.admit_fn(plan, state, ab, max_count=mc)
             ok = res.status == Status.OK
             rb = RetireBatch(ok & (res.count > 0), res.slot, res.generation, res.count)
-            state, _ = ops.retire_fn(plan, state, rb)
+            state, _ = ops.retire_fn(plan, state, rb, max_count=mc)
             state, _ = ops.reclaim_fn(plan, state, HandleBatch(ok, res.slot, res.generation))
             return state, (res.status, res.slot, res.generation, res.hit)
 
@@ -156,6 +301,8 @@ class Run:
         self.admit = jax.jit(admit, donate_argnums=0)
         self.release = jax.jit(release, donate_argnums=0)
         self.seen: set = set()
+        self.compile_s: dict = {}  # shape -> seconds of its first (compiling) call
+        self.oracle = OracleShadow(plan, batch) if args.oracle else None
 
     def _timed(self, key, fn, *a):
         t = time.perf_counter()
@@ -164,6 +311,9 @@ class Run:
         dt = time.perf_counter() - t
         first = key not in self.seen
         self.seen.add(key)
+        if first:
+            self.compile_s[key] = dt
+            print(f"compile {key}: {dt:.1f}s", flush=True)
         return out, (None if first else dt)
 
     def in_use(self) -> np.ndarray:
@@ -209,6 +359,8 @@ class Run:
                     )
                 if dt is not None:
                     dec_us.append(dt / len(rids) * 1e6)
+                if self.oracle:
+                    self.oracle.decode(steps, rids, [int(tok[j, 0]) for j in range(len(rids))])
                 for rid in rids:
                     running[rid][2] += 1
                     running[rid][3] += 1
@@ -231,15 +383,18 @@ class Run:
                     break
                 longest = max(len(p) for _, p, _ in cands)
                 width = self.args.admit_width or host.token_width(self.plan, longest)
-                toks = np.zeros((self.rows, width), i32)
-                pl = np.zeros(self.rows, i32)
-                v = np.zeros(self.rows, bool)
+                rows = row_bucket(len(cands), self.rows)
+                toks = np.zeros((rows, width), i32)
+                pl = np.zeros(rows, i32)
+                v = np.zeros(rows, bool)
                 for j, (_, p, _) in enumerate(cands):
                     toks[j, : len(p)] = p
                     pl[j] = len(p)
                     v[j] = True
-                ab = AdmitBatch(v, pl, pl.copy(), toks, np.zeros(self.rows, i32))
-                (st, slot, gen, hit), dt = self._timed(("admit", width), self.admit, ab)
+                ab = AdmitBatch(v, pl, pl.copy(), toks, np.zeros(rows, i32))
+                (st, slot, gen, hit), dt = self._timed(("admit", rows, width), self.admit, ab)
+                if self.oracle:
+                    self.oracle.admit(steps, [int(c[0][4:]) for c in cands], ab, st, hit)
                 n_ok = 0
                 for j, (rid_s, p, dlen) in enumerate(cands):
                     if st[j] != Status.OK:
@@ -273,6 +428,10 @@ class Run:
                     raise SystemExit("release failed")
                 if dt is not None:
                     free_us.append(dt / len(done) * 1e6)
+                if self.oracle:
+                    self.oracle.release(steps, done)
+            if self.oracle:
+                self.oracle.check_counts(steps, self.state)
         usable = [self.plan.usable_pages(g) for g in self.plan.groups]
         return {
             "decode_us": statistics.median(dec_us) if dec_us else float("nan"),
@@ -283,6 +442,9 @@ class Run:
             "usable": usable,
             "steps": steps,
             "admissions": len(adm_us),
+            "compile_s": sum(self.compile_s.values()),
+            "shapes": len(self.compile_s),
+            "oracle_hit_rate": self.oracle.hit_rate() if self.oracle else None,
         }
 
     @staticmethod
@@ -305,7 +467,12 @@ def main():
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0, help="trace seed (as the peer's)")
     ap.add_argument("--key-seed", type=int, default=None, help="prefix key seed (default: secret)")
-    ap.add_argument("--admit-rows", type=int, default=16, help="rows of one admission call")
+    ap.add_argument(
+        "--admit-rows",
+        type=int,
+        default=16,
+        help="most rows of one admission call (calls are padded to the next power of two)",
+    )
     ap.add_argument(
         "--admit-width",
         type=int,
@@ -319,7 +486,26 @@ def main():
     ap.add_argument("--peer", type=pathlib.Path, default=DEFAULT_PEER)
     ap.add_argument("--vllm", type=pathlib.Path, default=None, help="peer --json output: ratios")
     ap.add_argument("--json", default="")
+    ap.add_argument(
+        "--oracle",
+        action="store_true",
+        help="replay every call on the host oracle in lockstep (B <= 32): statuses, hits and "
+        "pool counts must agree; prints both hit rates",
+    )
+    ap.add_argument(
+        "--compile-cache",
+        default=str(pathlib.Path.home() / ".cache" / "flatkv_jax" / "vs_vllm_xla"),
+        help="XLA persistent compilation cache directory ('' : none)",
+    )
     args = ap.parse_args()
+    if args.compile_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    batches = [int(x) for x in args.batches.split(",")]
+    if args.oracle and max(batches) > 32:
+        raise SystemExit(
+            f"--oracle replays on the host oracle (plain Python): use B <= 32, not {max(batches)}"
+        )
     make_trace, vocab = load_make_trace(args.peer)
     assert vocab == 150_000, vocab
     print(
@@ -333,7 +519,7 @@ def main():
             if r["config"] == "dsv4":
                 peer[r["batch"]] = r
     results = []
-    for batch in [int(x) for x in args.batches.split(",")]:
+    for batch in batches:
         n = math.ceil(args.requests_per_batch * batch)
         trace = make_trace(
             n,
@@ -357,6 +543,19 @@ def main():
             agg[k] = statistics.median(r[k] for r in runs)
         agg.update(batch=batch, requests=n)
         results.append(agg)
+        print(
+            f"compile B={batch}: {agg['shapes']} shapes, {agg['compile_s']:.0f}s in first calls",
+            flush=True,
+        )
+        if args.oracle:
+            o = agg["oracle_hit_rate"]
+            print(
+                f"oracle B={batch:4d} hit={o * 100:5.1f}% (flatkv {agg['hit_rate'] * 100:5.1f}%): "
+                "every status, hit and pool count agreed",
+                flush=True,
+            )
+            if o != agg["hit_rate"]:
+                raise SystemExit(f"oracle hit rate {o} != flatkv {agg['hit_rate']}")
         peak = " ".join(
             f"{g.name}={p}/{u}"
             for g, p, u in zip(groups(args.granularity), agg["peak"], agg["usable"], strict=True)
