@@ -138,11 +138,18 @@ class PrefixMatch:
       state: uint32[B, CHAIN_WORDS], the chain state at ``hit`` (zeros when ``hit == 0``),
         from which :func:`flatkv_jax.prefix.keys.extend_chain` continues when later blocks
         are published.
+      listed: per group, int32[B, n_g], the same pages as ``pages`` (each page entry >= 1 of a
+        row exactly once) packed into the few columns that can hold one: ``n_g = slots`` for
+        a history group, ``need`` for a window group (its trailing run), -1 elsewhere. Pinning
+        and taking the hit's pages walk these ``O(hit pages)`` entries instead of every table
+        slot of ``pages`` (a window group with 4-token blocks has ``max_len / 4`` slots and
+        at most ``need`` pages).
     """
 
     hit: jax.Array
     pages: tuple[jax.Array, ...]
     state: jax.Array
+    listed: tuple[jax.Array, ...]
 
 
 def history_run(pages: jax.Array) -> jax.Array:
@@ -288,12 +295,13 @@ def match_prompts(
         rows.append(per_cand)
     hit = common_hit(layout, lengths, tuple(hist), tuple(win))
 
-    out = []
+    out, listed = [], []
     for gm, r in zip(layout.groups, rows, strict=True):
         slot = jnp.arange(gm.slots, dtype=jnp.int32)[None, :]
         n_hit = (hit // gm.block_tokens)[:, None]  # [B, 1] slots covered by the hit
         if not gm.is_window:
             out.append(jnp.where(slot < n_hit, r, -1))
+            listed.append(out[-1])
             continue
         # Row of the chosen candidate (hit / G - 1), then place its `need` blocks at
         # slots n_hit - need .. n_hit - 1; older slots are holes.
@@ -307,6 +315,10 @@ def match_prompts(
         )
         page = jnp.broadcast_to(page, (bsz, gm.slots))
         out.append(jnp.where(slot >= n_hit, -1, jnp.where(j >= 0, page, 0)))
+        # The trailing run's `need` pages: column n_hit - need + i holds chosen[:, i] (columns
+        # below 0, before the prompt, hold nothing; without a hit nothing is listed).
+        col = n_hit - gm.need + jnp.arange(gm.need, dtype=jnp.int32)[None, :]
+        listed.append(jnp.where((col >= 0) & (n_hit > 0), chosen, -1))
     state = keys_lib.chain_state(hashed, hit)
     state = jnp.where((hit > 0)[:, None], state, jnp.uint32(0))
-    return PrefixMatch(hit=hit, pages=tuple(out), state=state)
+    return PrefixMatch(hit=hit, pages=tuple(out), state=state, listed=tuple(listed))

@@ -53,6 +53,19 @@ def _query(plan, idx, prompts, lengths, ns=0):
     ), layout
 
 
+def _check_listed(m, layout):
+    """``listed`` holds exactly each row's pages >= 1 of ``pages``, in ``slots`` (history) or
+    ``need`` (window) columns, and -1 elsewhere."""
+    for gm, pages, listed in zip(layout.groups, m.pages, m.listed, strict=True):
+        pages, listed = np.asarray(pages), np.asarray(listed)
+        assert listed.shape == (pages.shape[0], gm.need if gm.is_window else gm.slots)
+        assert ((listed == -1) | (listed >= 1)).all()
+        for r in range(pages.shape[0]):
+            np.testing.assert_array_equal(
+                np.sort(listed[r][listed[r] >= 1]), np.sort(pages[r][pages[r] >= 1])
+            )
+
+
 def test_unit_rules_on_lookup_rows():
     assert history_run(
         jnp.array([[3, 4, 0, 5], [0, 1, 1, 1], [1, 1, 1, 1]], jnp.int32)
@@ -184,6 +197,7 @@ def test_tiny_v4_matches_the_python_reference(data):
         rows = ref_rows(plan, want, pages, [gm.slots for gm in layout.groups])
         for g, got, exp in zip(plan.groups, m.pages, rows, strict=True):
             np.testing.assert_array_equal(np.asarray(got)[r], exp, err_msg=g.name)
+    _check_listed(m, layout)
 
 
 def test_v4_geometry_matches_at_128_tokens():
@@ -205,6 +219,7 @@ def test_v4_geometry_matches_at_128_tokens():
     rows = ref_rows(plan, 640, pages, [gm.slots for gm in layout.groups])
     for g, got, exp in zip(plan.groups, m.pages, rows, strict=True):
         np.testing.assert_array_equal(np.asarray(got)[0], exp, err_msg=g.name)
+    _check_listed(m, layout)
 
 
 def test_hybrid_recipe_and_lookup_all_blocks_path():
@@ -221,6 +236,7 @@ def test_hybrid_recipe_and_lookup_all_blocks_path():
     rows = ref_rows(plan, 52, pages, [gm.slots for gm in layout.groups])
     for got, exp in zip(m.pages, rows, strict=True):
         np.testing.assert_array_equal(np.asarray(got)[0], exp)
+    _check_listed(m, layout)
 
 
 def test_compiles_once():
