@@ -311,3 +311,16 @@ def test_create_state_draws_a_secret_seed_unless_given(monkeypatch):
         ValueError, match=r"seed=-3 is invalid: a seed int must lie in \[0, 2\*\*128\)"
     ):
         create_state(plan, seed=-3)
+
+
+def test_looped_rounds_give_the_unrolled_words(monkeypatch):
+    # Large arrays run P's rounds in a fori_loop (XLA:CPU's unrolled 7+ rounds are slow): the
+    # words must be those of the unrolled rounds, for every round count and either path.
+    x = jnp.asarray(np.random.default_rng(7).integers(0, 2**32, (3, 700, 4), dtype=np.uint32))
+    assert x.size >= K._LOOP_MIN_WORDS
+    looped = [np.asarray(K._permute(x, r)) for r in (K.TERM_ROUNDS, 7, K.CHAIN_ROUNDS)]
+    monkeypatch.setattr(K, "_LOOP_MIN_WORDS", x.size + 1)
+    unrolled = [np.asarray(K._permute(x, r)) for r in (K.TERM_ROUNDS, 7, K.CHAIN_ROUNDS)]
+    for a, b in zip(looped, unrolled, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(looped[1], looped[2])
