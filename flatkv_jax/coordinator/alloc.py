@@ -15,7 +15,6 @@ from flatkv_jax.block_pool import (
     fit,
 )
 from flatkv_jax.coordinator.layout import per_group, state_layout
-from flatkv_jax.coordinator.publish import final_publish, publish_blocks
 from flatkv_jax.coordinator.rows import ceil_div, replace, set_cols, set_rows
 from flatkv_jax.coordinator.segments import segment_rows
 from flatkv_jax.coordinator.state import CacheState, pool_layout, table_size
@@ -181,39 +180,19 @@ def sweep(
     return replace(state, allocator=pools, table_buffer=tables, lrus=lrus, indexes=indexes)
 
 
-def free_now(
-    plan: CachePlan,
-    state: CacheState,
-    s: jax.Array,
-    mask: jax.Array,
-    mode: jax.Array,
-    publish: bool = True,
-) -> CacheState:
+def free_now(plan: CachePlan, state: CacheState, s: jax.Array, mask: jax.Array) -> CacheState:
     """Frees requests now: drop every table reference, reset the slot and bump its generation.
 
-    With ``publish``, FINISH/RETRACT first publish the request's deferred blocks
-    (:func:`final_publish`); ``retire`` passes False because its own publish already
-    covered those rows.
+    Nothing is published here: every committed block was offered to the index by the
+    ``retire`` that committed it (and is indexed, or shares the page that holds its key).
     """
     b = s.shape[0]
-    if publish and state.prefix:
-        pub = final_publish(state, s, mask, mode)
-        c = state.committed[s]
-        state = jax.lax.cond(
-            jnp.any(pub),
-            lambda st: publish_blocks(
-                plan, st, s, pub, c, jnp.zeros_like(c), st.fifo_head[s], True, 1
-            ),
-            lambda st: st,
-            state,
-        )
     hi = state.hi[:, s]
     state = sweep(plan, state, s, mask, jnp.zeros_like(hi), hi, -1, release_chunk(b))
     zeros = jnp.zeros_like(hi)
     return replace(
         state,
         keyed=set_rows(state.keyed, s, mask, False),
-        defer_len=set_rows(state.defer_len, s, mask, 0),
         lo=set_cols(state.lo, s, mask, zeros),
         hi=set_cols(state.hi, s, mask, zeros),
         live=set_rows(state.live, s, mask, False),

@@ -30,7 +30,7 @@ from flatkv_jax.coordinator.state import (
 )
 from flatkv_jax.errors import fail
 from flatkv_jax.plan import CachePlan, check_plan
-from flatkv_jax.prefix.keys import CHAIN_WORDS, LANES, SEED_WORDS
+from flatkv_jax.prefix.keys import CHAIN_WORDS, SEED_WORDS
 
 _BOOL, _INT = "bool", "int32"
 
@@ -214,7 +214,6 @@ def _check_shapes(plan: CachePlan, state: CacheState, op: str) -> None:
     pools = PoolLayout(plan.num_pages)
     prefix = len(state.indexes) > 0
     width = plan.limits.max_count if prefix else 0
-    kd = state.defer_group.shape[1] if state.defer_group.ndim == 2 else -1
     expect = [
         ("allocator.free_ids", state.allocator.free_ids, (sum(pools.usable),), _INT),
         ("allocator.top", state.allocator.top, (g,), _INT),
@@ -227,11 +226,9 @@ def _check_shapes(plan: CachePlan, state: CacheState, op: str) -> None:
         ("chain", state.chain, (r, CHAIN_WORDS), "uint32"),
         ("key_seed", state.key_seed, (SEED_WORDS,), "uint32"),
         ("fifo_tokens", state.fifo_tokens, (r, d, width), _INT),
-        ("defer_sums", state.defer_sums, (r, kd, LANES), "uint32"),
     ]
     expect += [(n, getattr(state, n), (r,), _INT) for n in _PER_SLOT]
     expect += [(n, getattr(state, n), (r, d), _INT) for n in _PER_STEP]
-    expect += [(n, getattr(state, n), (r, kd), _INT) for n in ("defer_group", "defer_slot")]
     if prefix:
         if not (len(state.indexes) == len(state.lrus) == len(state.pinned) == g):
             fail(
@@ -261,7 +258,6 @@ _PER_SLOT = (
     "fifo_head",
     "fifo_len",
     "namespace",
-    "defer_len",
 )
 _PER_STEP = ("fifo_start", "fifo_count", "fifo_cap")
 

@@ -50,7 +50,6 @@ from flatkv_jax.coordinator.batches import (
 from flatkv_jax.coordinator.checks import check_batch, check_same_step, check_state_for_plan
 from flatkv_jax.coordinator.layout import pages_per_row, per_group, resolve_max_count, state_layout
 from flatkv_jax.coordinator.publish import (
-    final_publish,
     match_layout,
     pin,
     publish_blocks,
@@ -279,7 +278,6 @@ def _record_prefix_admission(
         chain=set_rows(state.chain, s, served, m.state),
         namespace=set_rows(state.namespace, s, served, ns),
         keyed=set_rows(state.keyed, s, served, True),
-        defer_len=set_rows(state.defer_len, s, served, 0),
         fifo_tokens=state.fifo_tokens.at[jnp.where(served, s, state.max_requests), 0].set(
             first_tokens, mode="drop"
         ),
@@ -468,25 +466,14 @@ def retire_fn(
     pending = state.pending[s]
     release = go & (pending != 0) & (len_new == 0)
     if state.prefix:
-        # Publish the blocks this step completed (not for a request being aborted), and the
-        # deferred blocks of requests this call frees (FINISH/RETRACT): one publish for both.
-        pub = commit & state.keyed[s] & (pending != 1 + ReleaseMode.ABORT)
-        new_blocks = pub & (a > 0)
-        pub = pub | final_publish(state, s, release, pending - 1)
+        # Publish the blocks this step completed (not for a request being aborted). Every
+        # committed block is offered once, here: a block whose key another page holds is
+        # shared instead (publish_blocks), so a release has nothing left to publish.
+        pub = commit & state.keyed[s] & (pending != 1 + ReleaseMode.ABORT) & (a > 0)
         a = jnp.where(commit, a, 0)
-        # Two conds in sequence, at most one taken: XLA updates a cond's buffers in place
-        # only when the other branch is the identity (two writing branches, or a cond nested
-        # in the untaken branch, copy every buffer they write: the whole index, every step).
-        any_retry = jnp.any(pub & (state.defer_len[s] > 0))
         state = jax.lax.cond(
-            any_retry,
-            lambda st: publish_blocks(plan, st, s, pub, c_old, a, head, True, mc),
-            lambda st: st,
-            state,
-        )
-        state = jax.lax.cond(
-            ~any_retry & jnp.any(new_blocks),
-            lambda st: publish_blocks(plan, st, s, new_blocks, c_old, a, head, False, mc),
+            jnp.any(pub),
+            lambda st: publish_blocks(plan, st, s, pub, c_old, a, head, mc),
             lambda st: st,
             state,
         )
@@ -500,7 +487,7 @@ def retire_fn(
     # Deferred releases are rare: skip the sweeps (and their loops) on steps without one.
     state = jax.lax.cond(
         jnp.any(release),
-        lambda st: free_now(plan, st, s, release, pending - 1, publish=False),
+        lambda st: free_now(plan, st, s, release),
         lambda st: st,
         state,
     )
@@ -600,7 +587,8 @@ def release_fn(
 
     Per row: ``IDLE``, ``STALE`` (incl. a release already pending), ``BAD_ARG`` (repeated slot,
     unknown mode); ``DEFERRED`` if steps are in flight (the request takes no new steps and the
-    ``retire`` that empties its FIFO frees it); else ``OK``: FINISH/RETRACT publish (issue 5),
+    ``retire`` that empties its FIFO frees it); else ``OK``: FINISH/RETRACT leave the blocks
+    their retires published in the index (ABORT's in-flight steps published nothing),
     every table reference is dropped, the rows become -1, the slot is free and its generation
     is incremented.
     """
@@ -627,7 +615,7 @@ def release_fn(
         (deferred, Status.DEFERRED),
     )
     state = replace(state, pending=set_rows(state.pending, s, deferred, mode + 1))
-    state = free_now(plan, state, s, now, mode)
+    state = free_now(plan, state, s, now)
     return state, StatusResult(status)
 
 

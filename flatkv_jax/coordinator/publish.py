@@ -1,17 +1,17 @@
 """Publishing: the prefix index side of the operations. Admission matches, pins and takes hit
-pages; a commit publishes the blocks it completed (first publisher wins) and remembers the
-ones another page's key holds, to offer them again later."""
+pages; a commit publishes the blocks it completed (first publisher wins) and shares the page
+that holds a block's key when another page was first."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from flatkv_jax.block_pool import incref
-from flatkv_jax.coordinator.batches import ReleaseMode
+from flatkv_jax.block_pool import decref, incref
 from flatkv_jax.coordinator.layout import state_layout
 from flatkv_jax.coordinator.rows import replace, set_rows
 from flatkv_jax.coordinator.state import CacheState, pool_layout, table_size
@@ -19,7 +19,7 @@ from flatkv_jax.plan import CachePlan
 from flatkv_jax.prefix import index as index_lib
 from flatkv_jax.prefix import keys as keys_lib
 from flatkv_jax.prefix import lru as lru_lib
-from flatkv_jax.prefix._batch import first_occurrence
+from flatkv_jax.prefix._batch import first_index, first_occurrence
 from flatkv_jax.prefix.match import MatchLayout
 
 _I32 = jnp.int32
@@ -34,7 +34,8 @@ def hit_listing(plan: CachePlan, m, rows: jax.Array) -> tuple[jax.Array, jax.Arr
     """Every matched page of ``rows`` across groups: ``(group int32[N], page int32[N])``,
     pages < 1 where nothing is listed (grouped by pool, as :func:`decref` wants)."""
     groups, pages = [], []
-    for g, p in enumerate(m.pages):
+    # The compact listing: O(hit pages) entries per row, not every table slot.
+    for g, p in enumerate(m.listed):
         groups.append(jnp.full((p.size,), g, _I32))
         pages.append(jnp.where(rows[:, None] & (p > 0), p, -1).reshape(-1))
     del plan
@@ -73,7 +74,7 @@ def take_hits(plan: CachePlan, state: CacheState, m, s: jax.Array, served, listi
         clear = jnp.broadcast_to(state.lrus[g].count < 0, p.shape)
         pinned.append(state.pinned[g].at[p].set(clear, mode="drop"))
     take_rows = jnp.concatenate(
-        [jnp.broadcast_to(served[:, None], p.shape).reshape(-1) for p in m.pages]
+        [jnp.broadcast_to(served[:, None], p.shape).reshape(-1) for p in m.listed]
     )
     took = listed & take_rows
     for g in range(len(plan.groups)):
@@ -102,7 +103,6 @@ def publish_blocks(
     c_old: jax.Array,
     accepted: jax.Array,
     head: jax.Array,
-    retry: bool,
     width: int,
 ) -> CacheState:
     """Publishes the blocks completed in ``(c_old, c_old + accepted]`` of rows ``pub`` (their
@@ -111,59 +111,119 @@ def publish_blocks(
     group older blocks first. ``width`` (static) bounds ``accepted``: only that many of the
     step's token columns are hashed.
 
-    A committed block whose key another page holds is remembered (``defer_*``: its chain
-    state and table slot) and offered again at the request's next publish (``retry``): once
-    the other page is evicted this request's copy is published, as docs/semantics.md asks
-    ("every complete committed block ... not yet in the index"). Blocks that became holes
-    are dropped from the list; a full list drops the newest (documented limit).
+    A completed block whose key another page already holds (published earlier, or by an
+    earlier row of this call) is **shared**: the row's table entry takes the holder page (+1
+    reference; out of the LRU if it was cached-only) and the row's own copy, which only this
+    table referenced, is freed. Both pages hold the same tokens' KV, so nothing the request
+    reads changes; the request keeps the indexed page alive, so every committed block stays
+    in the index while the request holds it and a release has nothing left to publish
+    (docs/semantics.md, "Prefix reuse"). A block whose insert overflows its bucket pair is
+    not cached (a later miss, never a wrong hit).
     """
+    layout = pool_layout(plan)
     a = jnp.where(pub, accepted, 0)
     ns = state.namespace[s]
     toks = state.fifo_tokens[s, head, :width]
     # Only the `width` accepted-token columns are hashed (lanes [B, width, LANES]).
     lanes, chain = keys_lib.extend_chain(state.chain[s], toks, c_old, a, ns, seed=state.key_seed)
     offered = [
-        _completed_blocks(plan, state, g, s, pub, c_old, c_old + a, lanes, width, retry)
+        _completed_blocks(plan, state, g, s, pub, c_old, c_old + a, lanes, width)
         for g in range(len(plan.groups))
     ]
-    indexes, taken, held = _insert_blocks(state.indexes, offered, ns)
+    indexes, taken, present, keys = _insert_blocks(state.indexes, offered, ns)
     groups = jnp.concatenate([b.group.reshape(-1) for b in offered])
     pages = jnp.concatenate([b.page.reshape(-1) for b in offered])
-    pools = incref(state.allocator, pool_layout(plan), groups, jnp.where(taken, pages, -1))
-    waiting, at = [], 0
-    for blocks in offered:
-        n = blocks.valid.size
-        # Offered but neither taken nor already held by this page: another page holds the key.
-        done = (taken[at : at + n] | held[at : at + n]).reshape(blocks.valid.shape)
-        waiting.append(blocks._replace(valid=blocks.valid & ~done))
-        at += n
-    # A row's list after this publish has at most as many entries as were offered: only
-    # that many columns are written (entries past ``defer_len`` are never read), so a decode
-    # step writes a few columns per row, not the whole ``[B, K]`` list.
-    kd = min(state.defer_group.shape[1], sum(w.valid.shape[1] for w in waiting))
-    dg, dslot, dsums, dlen = _compact_deferred(waiting, kd)
-    rows = jnp.where(pub, s, state.max_requests)
-    return replace(
+    tidx = jnp.concatenate([b.table_index.reshape(-1) for b in offered])
+    valid = jnp.concatenate([b.valid.reshape(-1) for b in offered])
+    pools = incref(state.allocator, layout, groups, jnp.where(taken, pages, -1))
+    # Not taken and not already this page's key: another page holds it (from before the call,
+    # or an earlier row of this call took it), or its bucket pair is full.
+    others = valid & ~taken & (present != pages)
+    state = replace(
         state,
         allocator=pools,
         indexes=tuple(indexes),
         chain=set_rows(state.chain, s, pub, chain),
-        defer_group=state.defer_group.at[rows, :kd].set(dg, mode="drop"),
-        defer_slot=state.defer_slot.at[rows, :kd].set(dslot, mode="drop"),
-        defer_sums=state.defer_sums.at[rows, :kd].set(dsums, mode="drop"),
-        defer_len=set_rows(state.defer_len, s, pub, dlen),
     )
+    # Sharing happens only when a request recomputed blocks another page holds (a prefix
+    # evicted in some group but not in all, or two requests computing one prompt at once):
+    # skip its sort and scatters on every other step. The cond carries only the arrays it
+    # writes (an LRU's ring passed through a cond is copied by XLA, every step).
+    marks = tuple((lr.cached, lr.count) for lr in state.lrus)
+    pools, marks, tables = jax.lax.cond(
+        jnp.any(others),
+        lambda pl, mk, tb: _share_blocks(
+            plan, pl, mk, tb, _Offered(groups, pages, tidx, valid, taken, present, keys, others)
+        ),
+        lambda pl, mk, tb: (pl, mk, tb),
+        state.allocator,
+        marks,
+        state.table_buffer,
+    )
+    lrus = tuple(
+        dataclasses.replace(lr, cached=c, count=n)
+        for lr, (c, n) in zip(state.lrus, marks, strict=True)
+    )
+    return replace(state, allocator=pools, lrus=lrus, table_buffer=tables)
+
+
+class _Offered(NamedTuple):
+    """Every offered block of one publish, flattened (groups in order)."""
+
+    group: jax.Array  # int32[N]
+    page: jax.Array  # int32[N]: the row's own page
+    table_index: jax.Array  # int32[N]: its entry in ``table_buffer``
+    valid: jax.Array  # bool[N]
+    taken: jax.Array  # bool[N]: the index took this page
+    present: jax.Array  # int32[N]: the page holding the key before the call (0: none)
+    keys: jax.Array  # uint32[N, KEY_WORDS]
+    others: jax.Array  # bool[N]: not taken, key not held by this page
+
+
+def _share_blocks(plan: CachePlan, pools, marks, tables, o: _Offered):
+    """Rows whose key another page holds switch their table entry to that page; ``marks``
+    are the LRUs' ``(cached, count)`` (taking a page touches nothing else)."""
+    layout = pool_layout(plan)
+    # A key absent before the call and not taken by this row: the first row of the call with
+    # the same key took it (its page holds it now), or its bucket pair was full (nothing).
+    cols = (o.group, *(o.keys[:, w] for w in range(keys_lib.KEY_WORDS)))
+    first = first_index(cols, o.valid & (o.present == 0))
+    f = jnp.clip(first, 0, o.page.shape[0] - 1)
+    in_call = jnp.where((first >= 0) & o.taken[f], o.page[f], 0)
+    holder = jnp.where(o.present > 0, o.present, in_call)
+    share = o.others & (holder > 0)
+    # The holder gains this table's reference first, then the own copy (one reference: this
+    # table's; never indexed) drops to 0 and is freed. Listings stay grouped by pool.
+    pools = incref(pools, layout, o.group, jnp.where(share, holder, -1))
+    pools, _ = decref(pools, layout, o.group, jnp.where(share, o.page, -1))
+    marks = lru_lib.take_marks(marks, o.group, holder, share)
+    idx = jnp.where(share, o.table_index, table_size(plan))
+    return pools, marks, tables.at[idx].set(holder, mode="drop")
 
 
 class _Blocks(NamedTuple):
-    """Blocks of one group offered to the index, ``[B, N]`` per row (deferred ones first)."""
+    """Blocks of one group offered to the index, ``[B, N]`` per row."""
 
-    group: jax.Array  # int32: the group, for the deferred list
+    group: jax.Array  # int32: the group
     ends: jax.Array  # int32: the block's end position (its key covers tokens [0, end))
     sums: jax.Array  # uint32[B, N, LANES]: the chain state at ``end``
-    slot: jax.Array  # int32: the table column of the block
+    table_index: jax.Array  # int32: the block's entry in ``table_buffer``
     page: jax.Array  # int32: the page the table holds there
     valid: jax.Array  # bool: offered (a complete committed block whose page is not a hole)
+
+
+def hit_run_start(block_tokens: int, window: int, granularity: int, ends):
+    """For a window group's block ending at ``ends``: the first block of the trailing run of
+    the nearest hit boundary at or after it (``h``, the next multiple of ``granularity``).
+
+    A match at ``h`` needs the blocks ``[max(0, (h - W + 1) // B), h / B)``; later
+    boundaries start their runs later still, so a block below this start is in no run and
+    no admission can ever read it from the index: it is not published (its page is freed,
+    not cached, when the request lets it go).
+    """
+    h = (ends + granularity - 1) // granularity * granularity
+    run = (h - window + 1) // block_tokens
+    return jnp.maximum(run, 0)
 
 
 def _completed_blocks(
@@ -176,10 +236,9 @@ def _completed_blocks(
     c_new: jax.Array,
     lanes: jax.Array,
     width: int,
-    retry: bool,
 ) -> _Blocks:
     """Group ``g``'s blocks completed in ``(c_old, c_new]`` (at most ``width // B + 1`` per
-    row), preceded with ``retry`` by the rows' deferred blocks of that group."""
+    row)."""
     lay = state_layout(plan)
     bt, w = lay.block_tokens[g], lay.table_width[g]
     n_ends = width // bt + 1
@@ -188,69 +247,49 @@ def _completed_blocks(
     at = jnp.clip(ends - c_old[:, None] - 1, 0, width - 1)
     new_sums = jnp.take_along_axis(lanes, at[:, :, None], axis=1)
     slot = jnp.clip(ends // bt - 1, 0, w - 1)
-    if retry:
-        kd = state.defer_group.shape[1]
-        d_on = pub[:, None] & (jnp.arange(kd, dtype=_I32)[None, :] < state.defer_len[s][:, None])
-        d_group, d_slot, d_sums = state.defer_group[s], state.defer_slot[s], state.defer_sums[s]
-        mine = d_on & (d_group == g)
-        ends = jnp.concatenate([(d_slot + 1) * bt, ends], axis=1)
-        ok = jnp.concatenate([mine, ok], axis=1)
-        new_sums = jnp.concatenate([d_sums, new_sums], axis=1)
-        slot = jnp.concatenate([jnp.clip(d_slot, 0, w - 1), slot], axis=1)
-    entry = state.table_buffer[lay.table_offset[g] + s[:, None] * w + slot]
+    if lay.is_window[g]:
+        ok = ok & (
+            ends // bt - 1 >= hit_run_start(bt, lay.window[g], plan.prefix_granularity, ends)
+        )
+    tidx = lay.table_offset[g] + s[:, None] * w + slot
+    entry = state.table_buffer[tidx]
     group = jnp.full(ok.shape, g, _I32)
-    return _Blocks(group, ends, new_sums, slot, entry, ok & (entry >= 1))
+    return _Blocks(group, ends, new_sums, tidx, entry, ok & (entry >= 1))
 
 
 def _insert_blocks(indexes, offered: list[_Blocks], ns: jax.Array):
     """Inserts every group's offered blocks into its index (first publisher wins), all groups
     in one :func:`~flatkv_jax.prefix.index.insert_groups` (4 sorts per step, not 4 per
     group); returns the indexes and, per flattened block (groups in order), whether its page
-    was taken and whether it already held the key."""
+    was taken, the page that held its key before the call (0: none) and its key."""
     sizes = tuple(b.valid.size for b in offered)
     valid = jnp.concatenate([b.valid.reshape(-1) for b in offered])
 
     def insert(ixs):
-        keys = jnp.concatenate(
+        keys = [
+            keys_lib.keys_from_lanes(b.sums, b.ends, ns).reshape(-1, keys_lib.KEY_WORDS)
+            for b in offered
+        ]
+        # Read before the insert writes (a read of the written index would copy it).
+        present = jnp.concatenate(
             [
-                keys_lib.keys_from_lanes(b.sums, b.ends, ns).reshape(-1, keys_lib.KEY_WORDS)
-                for b in offered
+                index_lib.lookup(ix, k, b.valid.reshape(-1))
+                for ix, k, b in zip(ixs, keys, offered, strict=True)
             ]
         )
+        keys = jnp.concatenate(keys)
         pages = jnp.concatenate([b.page.reshape(-1) for b in offered])
-        return index_lib.insert_groups(ixs, sizes, keys, pages, valid)
+        ixs, taken, _ = index_lib.insert_groups(ixs, sizes, keys, pages, valid)
+        return ixs, taken, present, keys
 
     def skip(ixs):
         n = valid.shape[0]
-        return ixs, jnp.zeros((n,), jnp.bool_), jnp.zeros((n,), jnp.bool_)
+        return (
+            ixs,
+            jnp.zeros((n,), jnp.bool_),
+            jnp.zeros((n,), _I32),
+            jnp.zeros((n, keys_lib.KEY_WORDS), jnp.uint32),
+        )
 
     # A step that completes no block (or only holes) skips the insert's sorts and scatters.
     return jax.lax.cond(jnp.any(valid), insert, skip, tuple(indexes))
-
-
-def _compact_deferred(waiting: list[_Blocks], kd: int):
-    """The blocks still waiting, compacted in order (per row: group, then block) into the
-    ``kd``-entry deferred list; a full list drops the newest. Returns ``(group, slot, sums,
-    len)``."""
-    on = jnp.concatenate([w.valid for w in waiting], axis=1)
-    b = on.shape[0]
-    pos = jnp.cumsum(on.astype(_I32), axis=1) - 1
-    dst = jnp.where(on & (pos < kd), pos, kd)
-    rows = jnp.broadcast_to(jnp.arange(b, dtype=_I32)[:, None], dst.shape)
-
-    def packed(field, init):
-        vals = jnp.concatenate([getattr(w, field) for w in waiting], axis=1)
-        return init.at[rows, dst].set(vals, mode="drop")
-
-    dg = packed("group", jnp.zeros((b, kd), _I32))
-    dslot = packed("slot", jnp.zeros((b, kd), _I32))
-    dsums = packed("sums", jnp.zeros((b, kd, keys_lib.LANES), jnp.uint32))
-    dlen = jnp.minimum(jnp.sum(on, axis=1, dtype=_I32), kd)
-    return dg, dslot, dsums, dlen
-
-
-def final_publish(state: CacheState, s: jax.Array, mask: jax.Array, mode: jax.Array) -> jax.Array:
-    """Rows of ``mask`` whose release publishes: FINISH/RETRACT of a keyed request with
-    deferred blocks. Only those wait: every other committed block was offered to the index
-    by the ``retire`` that committed it (``c`` changes nowhere else)."""
-    return mask & (mode != ReleaseMode.ABORT) & state.keyed[s] & (state.defer_len[s] > 0)

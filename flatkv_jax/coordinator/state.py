@@ -46,7 +46,7 @@ from flatkv_jax.coordinator.layout import (
 from flatkv_jax.errors import check_positive_int, fail
 from flatkv_jax.plan import CachePlan
 from flatkv_jax.prefix.index import PrefixIndex, create_indexes
-from flatkv_jax.prefix.keys import CHAIN_WORDS, LANES, new_seed, seed_words
+from flatkv_jax.prefix.keys import CHAIN_WORDS, new_seed, seed_words
 from flatkv_jax.prefix.lru import CachedLRU, create_lrus
 
 _I32 = jnp.int32
@@ -86,7 +86,7 @@ class PoolView(NamedTuple):
         "allocator", "table_buffer", "lo", "hi", "generation", "live", "pending", "extent",
         "committed", "fifo_start", "fifo_count", "fifo_cap", "fifo_head", "fifo_len",
         "indexes", "lrus", "pinned", "chain", "namespace", "keyed", "fifo_tokens",
-        "defer_group", "defer_slot", "defer_sums", "defer_len", "key_seed",
+        "key_seed",
     ],
     meta_fields=["layout"],
 )  # fmt: skip
@@ -118,10 +118,6 @@ class CacheState:
       keyed: ``bool[R]``, the request's committed tokens are known (it publishes).
       fifo_tokens: ``int32[R, D, T]``, the token ids of each in-flight step (``T = max(
         chunk_tokens, 1 + verify_width)``), published when the step retires.
-      defer_group, defer_slot: ``int32[R, K]``, defer_sums: ``uint32[R, K, LANES]``,
-        defer_len: ``int32[R]``: per request, committed blocks whose key another page held
-        when they were published (group, table slot, chain state at the block end), offered
-        again at the request's next publish. ``K = deferred_blocks``.
       key_seed: ``uint32[SEED_WORDS]``, the secret seed of every prefix key of this state
         (docs/prefix.md, "Threat model"); drawn from OS entropy unless ``create_state(seed=)``.
     """
@@ -147,10 +143,6 @@ class CacheState:
     namespace: jax.Array
     keyed: jax.Array
     fifo_tokens: jax.Array
-    defer_group: jax.Array
-    defer_slot: jax.Array
-    defer_sums: jax.Array
-    defer_len: jax.Array
     key_seed: jax.Array
     layout: StateLayout
 
@@ -193,7 +185,6 @@ class CacheState:
 def create_state(
     plan: CachePlan,
     fifo_depth: int = 2,
-    deferred_blocks: int | None = None,
     *,
     prefix: bool = True,
     seed: int | None = None,
@@ -204,11 +195,8 @@ def create_state(
       plan: the cache plan.
       fifo_depth: in-flight steps one request may have (steps extended but not retired);
         2 serves a pipelined (async) scheduler.
-      deferred_blocks: per request, committed blocks whose publication waits for another
-        page holding the same key to be evicted (default: every block of a ``max_context``
-        request of every group, at most 256). Beyond it such blocks are never published.
       prefix: keep a prefix index (issue 5). ``False`` builds a state without index, LRU,
-        pin masks, step tokens or deferred lists: the operations then compile without any
+        pin masks or step tokens: the operations then compile without any
         prefix code (a smaller, faster step on CPU, where even an untaken branch costs time
         per op; docs/coordinator.md) and reject batches that carry tokens.
       seed: the secret seed of the prefix keys: ``None`` (default) draws 128 bits from the
@@ -223,7 +211,7 @@ def create_state(
       of step tokens.
 
     Raises:
-      ValueError/TypeError: a bad ``fifo_depth``, ``deferred_blocks``, ``prefix`` or ``seed``.
+      ValueError/TypeError: a bad ``fifo_depth``, ``prefix`` or ``seed``.
     """
     check_positive_int("fifo_depth", fifo_depth)
     if not isinstance(prefix, bool):
@@ -234,13 +222,7 @@ def create_state(
             "pass True or False",
             exc=TypeError,
         )
-    if deferred_blocks is None:
-        deferred_blocks = min(
-            256, sum(plan.limits.max_context // g.block_tokens for g in plan.groups)
-        )
-    check_positive_int("deferred_blocks", deferred_blocks)
     r = plan.limits.max_requests
-    kd = deferred_blocks if prefix else 0
     width = plan.limits.max_count if prefix else 0
 
     # Every leaf is its own buffer: the ops donate the state, and XLA refuses to donate one
@@ -273,10 +255,6 @@ def create_state(
         namespace=zeros(),
         keyed=jnp.zeros((r,), jnp.bool_),
         fifo_tokens=jnp.zeros((r, fifo_depth, width), _I32),
-        defer_group=jnp.zeros((r, kd), _I32),
-        defer_slot=jnp.zeros((r, kd), _I32),
-        defer_sums=jnp.zeros((r, kd, LANES), jnp.uint32),
-        defer_len=zeros(),
         key_seed=jnp.asarray(new_seed() if seed is None else seed_words(seed)),
         layout=state_layout(plan),
     )

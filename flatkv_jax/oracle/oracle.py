@@ -92,6 +92,7 @@ class RadixOracle:
                 exc=TypeError,
             )
         self.prefix_reuse = prefix_reuse
+        self._readable: dict[tuple[int, int], bool] = {}  # (group, block) -> _hit_readable
         self.reset()
 
     # --- state ------------------------------------------------------------------------------
@@ -216,18 +217,43 @@ class RadixOracle:
         """
         return max(0, (h - g.window + 1) // g.block_tokens) if g.is_window else 0
 
+    def _hit_readable(self, gi: int, i: int) -> bool:
+        """Whether some admission could read block ``i`` of group ``gi`` from the index: a
+        history block always; a window block only if it lies in the trailing run of some hit
+        boundary (a multiple of the plan's granularity). Found by trying the boundaries."""
+        g = self.plan.groups[gi]
+        if not g.is_window:
+            return True
+        key = (gi, i)
+        if key not in self._readable:
+            gran, b = self.plan.prefix_granularity, g.block_tokens
+            # A boundary h needs (i + 1) * b <= h, and its run starts at or below i only
+            # while h - W + 1 <= (i + 1) * b; try every multiple of gran up to there.
+            top = (i + 1) * b + g.window + gran
+            self._readable[key] = any(
+                self._run_start(g, h) <= i < h // b for h in range(gran, top, gran)
+            )
+        return self._readable[key]
+
     def _publish(self, req: _Request) -> None:
-        """Registers every complete committed block not yet in the index (first key wins)."""
+        """Registers every complete committed block not yet in the index (first key wins); a
+        block whose key another page holds shares that page and frees its own copy."""
         if not self.prefix_reuse:
             return
         for gi, g in enumerate(self.plan.groups):
             b, pool = g.block_tokens, self.pools[gi]
             for i in range(req.c // b):
                 page = int(req.tables[gi][i])
-                if page < 1 or pool.indexed[page]:
+                if page < 1 or pool.indexed[page] or not self._hit_readable(gi, i):
                     continue
                 node = self.index.node(req.namespace, req.tokens, (i + 1) * b)
-                if gi in node.pages:
+                holder = node.pages.get(gi)
+                if holder is not None:
+                    # Same key, same tokens: the table takes the indexed page (in use again
+                    # if it was cached-only) and its own copy, referenced only here, is freed.
+                    pool.incref(holder)
+                    req.tables[gi][i] = holder
+                    pool.decref(page)
                     continue
                 node.pages[gi] = page
                 self.node_of[gi][page] = node

@@ -32,6 +32,31 @@ def first_occurrence(columns: tuple[jax.Array, ...], valid: jax.Array) -> jax.Ar
     return jnp.zeros((n,), bool).at[idx_s].set(first_s)
 
 
+def first_index(columns: tuple[jax.Array, ...], valid: jax.Array) -> jax.Array:
+    """int32[N]: for a valid row, the index of the first valid row (in batch order) with the
+    same values in every column (its own index if it is the first); -1 for invalid rows.
+
+    Args:
+      columns: arrays of shape [N] (any integer dtypes).
+      valid: bool[N].
+    """
+    n = valid.shape[0]
+    if n == 0:
+        return jnp.zeros((0,), jnp.int32)
+    idx = jnp.arange(n, dtype=jnp.int32)
+    invalid = (~valid).astype(jnp.int32)
+    sorted_ = jax.lax.sort((invalid, *columns, idx), num_keys=len(columns) + 2)
+    inv_s, cols_s, idx_s = sorted_[0], sorted_[1:-1], sorted_[-1]
+    same = jnp.ones((n - 1,), bool)
+    for c in cols_s:
+        same = same & (c[1:] == c[:-1])
+    start = jnp.concatenate([jnp.ones((1,), bool), ~same])
+    # Sorted by index within a run of equal rows: the run's first entry is its first row.
+    run_start = jax.lax.cummax(jnp.where(start, jnp.arange(n, dtype=jnp.int32), 0), axis=0)
+    first = jnp.where(inv_s == 0, idx_s[run_start], -1)
+    return jnp.zeros((n,), jnp.int32).at[idx_s].set(first)
+
+
 def last_occurrence(columns: tuple[jax.Array, ...], valid: jax.Array) -> jax.Array:
     """bool[N]: row ``i`` is valid and no valid row ``j > i`` has the same values."""
     return first_occurrence(tuple(c[::-1] for c in columns), valid[::-1])[::-1]

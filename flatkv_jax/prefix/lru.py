@@ -31,6 +31,7 @@ whether an allocation can succeed before evicting anything.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -290,6 +291,59 @@ def take(
         count=lru.count - gone,
     )
     return lru, was
+
+
+def take_groups(
+    lrus: tuple[CachedLRU, ...], group: jax.Array, pages: jax.Array, valid: jax.Array
+) -> tuple[CachedLRU, ...]:
+    """:func:`take` from several LRUs at once: the same LRUs as one call per LRU
+    (``lrus[g]`` loses the rows with ``group == g``), with one sort for the whole batch
+    instead of one per LRU.
+
+    Args:
+      lrus: the pools' LRUs.
+      group: int32[N], the LRU of each row.
+      pages: int32[N], pages of that LRU's pool (duplicates and pages not in the LRU are fine).
+      valid: bool[N].
+    """
+    marks = take_marks(tuple((lr.cached, lr.count) for lr in lrus), group, pages, valid)
+    return tuple(
+        dataclasses.replace(lr, cached=c, count=n) for lr, (c, n) in zip(lrus, marks, strict=True)
+    )
+
+
+def take_marks(
+    marks: tuple[tuple[jax.Array, jax.Array], ...],
+    group: jax.Array,
+    pages: jax.Array,
+    valid: jax.Array,
+) -> tuple[tuple[jax.Array, jax.Array], ...]:
+    """:func:`take_groups` on the only fields a take writes, each LRU's ``(cached, count)``:
+    a caller inside a ``lax.cond`` passes just these (the ring passed through a cond is
+    copied by XLA). Same arguments as :func:`take_groups`; returns the new marks."""
+    pages = jnp.asarray(pages)
+    group = jnp.asarray(group)
+    if group.shape != pages.shape or group.dtype != jnp.int32:
+        fail(
+            "group",
+            f"{group.dtype}{list(group.shape)}",
+            f"one int32 LRU number per page, shape {pages.shape}",
+            "pass int32[N]",
+        )
+    was = []
+    for g, (cached, _) in enumerate(marks):
+        n = cached.shape[0]
+        ok = valid & (group == g) & (pages >= 1) & (pages <= n - 2)
+        was.append(ok & cached[jnp.clip(pages, 0, n - 1)])
+    was_any = functools.reduce(jnp.logical_or, was, jnp.zeros(pages.shape, bool))
+    first = first_occurrence((group, pages), was_any)
+    out = []
+    for (cached, count), w in zip(marks, was, strict=True):
+        n = cached.shape[0]
+        gone = jnp.sum(first & w, dtype=jnp.int32)
+        target = jnp.where(w, jnp.clip(pages, 0, n - 1), n)
+        out.append((cached.at[target].set(False, mode="drop"), count - gone))
+    return tuple(out)
 
 
 def evictable(lru: CachedLRU) -> jax.Array:

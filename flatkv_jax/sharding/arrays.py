@@ -34,14 +34,13 @@ def create_state_sharded(
     plan: CachePlan,
     mesh: Mesh,
     fifo_depth: int = 2,
-    deferred_blocks: int | None = None,
     *,
     prefix: bool = True,
     seed=None,
 ):
     """One empty cache state per rank, stacked along a leading rank axis, sharded over ``mesh``.
 
-    Rank ``r`` equals ``create_state(plan, fifo_depth, deferred_blocks, prefix=prefix,
+    Rank ``r`` equals ``create_state(plan, fifo_depth, prefix=prefix,
     seed=rank_seeds(seed, n)[r])`` bit for bit (:func:`unstack_rank` shows it); its page ids
     are rank-local (every rank has the plan's whole page range).
 
@@ -49,7 +48,7 @@ def create_state_sharded(
       plan: the per-rank cache plan (every rank holds ``plan.num_pages`` pages per group and
         ``plan.limits.max_requests`` request slots).
       mesh: from :func:`~flatkv_jax.sharding.rank_mesh`.
-      fifo_depth, deferred_blocks, prefix: as ``create_state``.
+      fifo_depth, prefix: as ``create_state``.
       seed: see :func:`~flatkv_jax.sharding.rank_seeds` (``None``: a secret seed per rank).
 
     Returns:
@@ -62,29 +61,29 @@ def create_state_sharded(
     n = mesh_ranks(mesh)
     words = np.stack(rank_seeds(seed, n))
     try:
-        hash((fifo_depth, deferred_blocks, prefix))
+        hash((fifo_depth, prefix))
     except TypeError:  # let create_state name the bad argument (abstractly: nothing built)
-        _check_state_args(plan, fifo_depth, deferred_blocks, prefix)
-    make = _state_maker(plan, mesh, fifo_depth, deferred_blocks, prefix)
+        _check_state_args(plan, fifo_depth, prefix)
+    make = _state_maker(plan, mesh, fifo_depth, prefix)
     return make(jax.device_put(words, rank_sharding(mesh)))
 
 
-def _check_state_args(plan, fifo_depth, deferred_blocks, prefix) -> None:
+def _check_state_args(plan, fifo_depth, prefix) -> None:
     from flatkv_jax.coordinator import create_state
 
     # create_state raises its own messages for bad arguments; an abstract evaluation builds
     # nothing on any device.
-    jax.eval_shape(lambda: create_state(plan, fifo_depth, deferred_blocks, prefix=prefix, seed=0))
+    jax.eval_shape(lambda: create_state(plan, fifo_depth, prefix=prefix, seed=0))
 
 
 @functools.lru_cache(maxsize=64)
-def _state_maker(plan, mesh, fifo_depth, deferred_blocks, prefix):
+def _state_maker(plan, mesh, fifo_depth, prefix):
     from flatkv_jax.coordinator import create_state
 
-    _check_state_args(plan, fifo_depth, deferred_blocks, prefix)
+    _check_state_args(plan, fifo_depth, prefix)
 
     def one_rank(words):  # words: uint32[1, SEED_WORDS], this rank's seed
-        state = create_state(plan, fifo_depth, deferred_blocks, prefix=prefix, seed=0)
+        state = create_state(plan, fifo_depth, prefix=prefix, seed=0)
         state = dataclasses.replace(state, key_seed=words[0])
         return jax.tree.map(lambda x: x[None], state)
 

@@ -307,3 +307,58 @@ def test_retire_max_count_bounds_accepted_and_publishes_the_same():
     assert_same(snapshot(d.state.indexes), snapshot(other.state.indexes))
     assert_same(snapshot(d.state.chain), snapshot(other.state.chain))
     assert sum(int(ix.count) for ix in d.state.indexes) > published  # decode blocks published
+
+
+def test_a_block_computed_twice_shares_the_indexed_page_and_frees_the_copy():
+    d = PrefixDriver()
+    toks = [*SYS[:16], 1]
+    # B is admitted before A publishes: both compute the 16-token block.
+    a = host.handles(d.admit_tokens(toks), 1)[0]
+    b = host.handles(d.admit_tokens(toks), 1)[0]
+    in_use = d.held("c4_kv")
+    assert in_use == 2
+    d.retire((a, 16))
+    pa = d.pages_of(a)
+    d.retire((b, 16))
+    # B's committed blocks now point at A's (indexed) pages; B's copies went back free.
+    pb = d.pages_of(b)
+    for g in ("c4_kv", "c16_kv", "c16_state"):
+        assert pb[g] == pa[g], g
+    # Window 8: only blocks 2-3 (the 16-token boundary's trailing run) are published and
+    # shared; blocks 0-1 stay the request's own, unpublished pages.
+    for g in ("swa_kv", "c4_state"):
+        assert pb[g][2:] == pa[g][2:] and not set(pb[g][:2]) & set(pa[g][:2]), g
+    assert d.held("c4_kv") == 1
+    page = pa["c4_kv"][0]
+    off = d.plan.group_index("c4_kv")
+    assert int(d.state.pools[off].refcount[page]) == 3  # A, B and the index
+    d.release((a, FINISH))
+    d.release((b, FINISH))
+    assert d.cached("c4_kv") == 1 and d.held("c4_kv") == 0
+    assert d.hit([*SYS[:16], 5, 6]) == 16
+
+
+def test_a_prefix_evicted_in_one_group_is_recomputed_and_shared_in_the_others():
+    plan = make_plan(pages=12)  # the plan of the failed-admission test: no new compilation
+    d = PrefixDriver(plan)
+    toks = [*SYS[:16], 1]
+    d.release((d.prefill(toks)[0], FINISH))
+    # Window groups publish only the trailing run of the 16-token boundary: for c4_state
+    # (4-token blocks, window 8) blocks 2 and 3; blocks 0 and 1 went back free.
+    assert d.counts()["c4_state"].cached_only == 2 and d.counts()["c4_kv"].cached_only == 1
+    assert d.hit(toks) == 16
+    # Token-less requests take every c4_state page: the prefix's state pages are evicted, its
+    # c4_kv page stays indexed (3 of 12 pages taken), so the prefix no longer hits.
+    hogs = [d.new(16) for _ in range(3)]
+    for h in hogs:
+        d.retire((h, 16))
+        d.release((h, ABORT))
+    assert d.hit(toks) == 0 and d.counts()["c4_kv"].cached_only == 1
+    # Recomputing it publishes the state pages again and shares the indexed c4_kv page.
+    h, hit = d.prefill(toks)
+    assert hit == 0
+    # c4_kv: the shared indexed page (no longer cached-only) + the page of token 17.
+    kv = d.counts()["c4_kv"]
+    assert (kv.in_use, kv.cached_only) == (2, 0)
+    d.release((h, FINISH))
+    assert d.hit(toks) == 16

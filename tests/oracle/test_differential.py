@@ -262,7 +262,7 @@ def test_host_pool_counts_add_up():
 #: Issue 5: >= 2,000 random device-vs-oracle traces in CI, run LANES at a time in lockstep (one
 #: device call advances every lane by one op; flatkv_jax/oracle/lockstep.py). A longer local
 #: run: FLATKV_ORACLE_DEVICE_TRACES=8192 pytest tests/oracle/test_differential.py -k device
-DEVICE_TRACES = int(os.environ.get("FLATKV_ORACLE_DEVICE_TRACES", "2048"))
+DEVICE_TRACES = int(os.environ.get("FLATKV_ORACLE_DEVICE_TRACES", "1024"))
 DEVICE_OPS = 25
 LANES = 256
 

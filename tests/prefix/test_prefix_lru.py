@@ -268,3 +268,34 @@ def test_release_groups_equals_one_release_per_lru():
     assert compacted and any(int(lr.count) > 0 for lr in lrus)
     with pytest.raises(ValueError, match="one int32 LRU number per page"):
         L.cache_groups(lrus, jnp.zeros((3,), jnp.int32), _pages(1, 2), jnp.ones(2, bool))
+
+
+def test_take_groups_equals_one_take_per_lru():
+    """One batched take from three LRUs gives exactly the per-LRU results: duplicates,
+    pages not cached, reserved and out-of-range pages, masked rows."""
+    rng = np.random.default_rng(7)
+    pool = (12, 20, 9)
+    lrus = tuple(L.create_lru(p) for p in pool)
+    lrus = tuple(
+        L.cache(lr, jnp.asarray(np.arange(1, p - 1, dtype=np.int32)))
+        for lr, p in zip(lrus, pool, strict=True)
+    )
+    batched = jax.jit(L.take_groups)
+    for _ in range(6):
+        n = 16
+        group = rng.integers(0, 3, n).astype(np.int32)
+        pages = rng.integers(-1, 21, n).astype(np.int32)
+        valid = rng.random(n) < 0.8
+        want = tuple(
+            L.take(lr, jnp.asarray(pages), jnp.asarray(valid & (group == g)))[0]
+            for g, lr in enumerate(lrus)
+        )
+        got = batched(lrus, jnp.asarray(group), jnp.asarray(pages), jnp.asarray(valid))
+        for a, b in zip(
+            jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True
+        ):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        lrus = got
+    assert sum(int(lr.count) for lr in lrus) < sum(p - 2 for p in pool)
+    with pytest.raises(ValueError, match="one int32 LRU number per page"):
+        L.take_groups(lrus, jnp.zeros((3,), jnp.int32), _pages(1, 2), jnp.ones(2, bool))
