@@ -85,7 +85,8 @@ def setup(plan, prefix: bool = True):
     b = plan.limits.max_requests
     rng = np.random.default_rng(0)
     state = create_state(plan, prefix=prefix)
-    wave = 32
+    # One admission call is one step: its first chunks must fit the step's token budget.
+    wave = max(1, min(32, plan.limits.step_tokens // PROMPT))
     hs = []
     for lo in range(0, b, wave):
         k = min(wave, b - lo)
