@@ -11,6 +11,21 @@ import jax
 import jax.numpy as jnp
 
 
+def _runs(columns: tuple[jax.Array, ...], valid: jax.Array):
+    """Sorts the rows (valid first, then by the columns, then by index): returns the sorted
+    invalid flags and row indexes and ``start``, whether each sorted row begins a run of
+    equal rows."""
+    n = valid.shape[0]
+    idx = jnp.arange(n, dtype=jnp.int32)
+    invalid = (~valid).astype(jnp.int32)
+    sorted_ = jax.lax.sort((invalid, *columns, idx), num_keys=len(columns) + 2)
+    inv_s, cols_s, idx_s = sorted_[0], sorted_[1:-1], sorted_[-1]
+    same = jnp.ones((n - 1,), bool)
+    for c in cols_s:
+        same = same & (c[1:] == c[:-1])
+    return inv_s, idx_s, jnp.concatenate([jnp.ones((1,), bool), ~same])
+
+
 def first_occurrence(columns: tuple[jax.Array, ...], valid: jax.Array) -> jax.Array:
     """bool[N]: row ``i`` is valid and no valid row ``j < i`` has the same values in every column.
 
@@ -21,15 +36,8 @@ def first_occurrence(columns: tuple[jax.Array, ...], valid: jax.Array) -> jax.Ar
     n = valid.shape[0]
     if n == 0:
         return valid
-    idx = jnp.arange(n, dtype=jnp.int32)
-    invalid = (~valid).astype(jnp.int32)
-    sorted_ = jax.lax.sort((invalid, *columns, idx), num_keys=len(columns) + 2)
-    inv_s, cols_s, idx_s = sorted_[0], sorted_[1:-1], sorted_[-1]
-    same = jnp.ones((n - 1,), bool)
-    for c in cols_s:
-        same = same & (c[1:] == c[:-1])
-    first_s = jnp.concatenate([jnp.ones((1,), bool), ~same]) & (inv_s == 0)
-    return jnp.zeros((n,), bool).at[idx_s].set(first_s)
+    inv_s, idx_s, start = _runs(columns, valid)
+    return jnp.zeros((n,), bool).at[idx_s].set(start & (inv_s == 0))
 
 
 def first_index(columns: tuple[jax.Array, ...], valid: jax.Array) -> jax.Array:
@@ -43,14 +51,7 @@ def first_index(columns: tuple[jax.Array, ...], valid: jax.Array) -> jax.Array:
     n = valid.shape[0]
     if n == 0:
         return jnp.zeros((0,), jnp.int32)
-    idx = jnp.arange(n, dtype=jnp.int32)
-    invalid = (~valid).astype(jnp.int32)
-    sorted_ = jax.lax.sort((invalid, *columns, idx), num_keys=len(columns) + 2)
-    inv_s, cols_s, idx_s = sorted_[0], sorted_[1:-1], sorted_[-1]
-    same = jnp.ones((n - 1,), bool)
-    for c in cols_s:
-        same = same & (c[1:] == c[:-1])
-    start = jnp.concatenate([jnp.ones((1,), bool), ~same])
+    inv_s, idx_s, start = _runs(columns, valid)
     # Sorted by index within a run of equal rows: the run's first entry is its first row.
     run_start = jax.lax.cummax(jnp.where(start, jnp.arange(n, dtype=jnp.int32), 0), axis=0)
     first = jnp.where(inv_s == 0, idx_s[run_start], -1)

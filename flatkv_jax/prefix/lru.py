@@ -145,6 +145,20 @@ def _pages_arg(lru: CachedLRU, pages, valid) -> tuple[jax.Array, jax.Array]:
     return pages, valid & usable
 
 
+def _group_arg(group, pages) -> tuple[jax.Array, jax.Array]:
+    """Checks a batched call's ``group`` (one int32 LRU number per page)."""
+    pages = jnp.asarray(pages)
+    group = jnp.asarray(group)
+    if group.shape != pages.shape or group.dtype != jnp.int32:
+        fail(
+            "group",
+            f"{group.dtype}{list(group.shape)}",
+            f"one int32 LRU number per page, shape {pages.shape}",
+            "pass int32[N]",
+        )
+    return group, pages
+
+
 def _live(lru: CachedLRU, seq: jax.Array, in_range: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(page, live) of the ring entries at sequences ``seq``."""
     page = lru.ring[(seq & jnp.uint32(lru.ring_size - 1)).astype(jnp.int32)]
@@ -226,15 +240,7 @@ def cache_groups(
       pages: int32[N], pages of that LRU's pool.
       valid: bool[N].
     """
-    pages = jnp.asarray(pages)
-    group = jnp.asarray(group)
-    if group.shape != pages.shape or group.dtype != jnp.int32:
-        fail(
-            "group",
-            f"{group.dtype}{list(group.shape)}",
-            f"one int32 LRU number per page, shape {pages.shape}",
-            "pass int32[N]",
-        )
+    group, pages = _group_arg(group, pages)
     usable = jnp.zeros(pages.shape, bool)
     for g, lr in enumerate(lrus):
         _, ok = _pages_arg(lr, pages, valid & (group == g))
@@ -321,15 +327,7 @@ def take_marks(
     """:func:`take_groups` on the only fields a take writes, each LRU's ``(cached, count)``:
     a caller inside a ``lax.cond`` passes just these (the ring passed through a cond is
     copied by XLA). Same arguments as :func:`take_groups`; returns the new marks."""
-    pages = jnp.asarray(pages)
-    group = jnp.asarray(group)
-    if group.shape != pages.shape or group.dtype != jnp.int32:
-        fail(
-            "group",
-            f"{group.dtype}{list(group.shape)}",
-            f"one int32 LRU number per page, shape {pages.shape}",
-            "pass int32[N]",
-        )
+    group, pages = _group_arg(group, pages)
     was = []
     for g, (cached, _) in enumerate(marks):
         n = cached.shape[0]
