@@ -140,9 +140,12 @@ def _pages_arg(lru: CachedLRU, pages, valid) -> tuple[jax.Array, jax.Array]:
             f"a bool mask shaped like pages {pages.shape}",
             "pass bool[N]",
         )
+    return pages, valid & _usable(pages, lru.num_pages)
+
+
+def _usable(pages: jax.Array, num_pages: int) -> jax.Array:
     # Reserved pages never enter the LRU (defensive: a caller bug must not make them evictable).
-    usable = (pages >= 1) & (pages <= lru.num_pages - 2)
-    return pages, valid & usable
+    return (pages >= 1) & (pages <= num_pages - 2)
 
 
 def _group_arg(group, pages) -> tuple[jax.Array, jax.Array]:
@@ -331,7 +334,7 @@ def take_marks(
     was = []
     for g, (cached, _) in enumerate(marks):
         n = cached.shape[0]
-        ok = valid & (group == g) & (pages >= 1) & (pages <= n - 2)
+        ok = valid & (group == g) & _usable(pages, n)
         was.append(ok & cached[jnp.clip(pages, 0, n - 1)])
     was_any = functools.reduce(jnp.logical_or, was, jnp.zeros(pages.shape, bool))
     first = first_occurrence((group, pages), was_any)
