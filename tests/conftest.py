@@ -61,3 +61,69 @@ def _fixed_prefix_key_seed(monkeypatch):
     from flatkv_jax.coordinator import state
 
     monkeypatch.setattr(state, "new_seed", lambda: np.array([0x5EED, 0, 0, 0], np.uint32))
+
+
+# --- CI scheduling: `-n 2 --dist loadfile` (pyproject.toml) -------------------------------------
+#: Files whose tests each run in a fresh subprocess (nothing is shared in-process): each test
+#: is its own unit of work, so both workers take some.
+_PER_TEST = ("tests/test_docs_examples.py", "tests/test_notebooks.py")
+#: Worker seconds per unit (a full run on a loaded 2-core machine, 2026-12-03), used only to
+#: start the longest units first: a long unit handed out last runs alone at the end. Unlisted
+#: units are short. The order matters, not the exact numbers.
+_WEIGHT = {
+    "tests/coordinator": 1800,
+    "tests/serving": 1100,
+    "tests/model": 1000,
+    "tests/oracle": 1000,
+    "tests/prefix": 950,
+    "tests/demo": 410,
+    "tests/test_notebooks.py::test_notebook_runs[serving_experiment.ipynb]": 280,
+    "tests/sharding": 240,
+    "tests/test_docs_examples.py::test_page_examples_run[serving.md]": 240,
+    "tests/test_notebooks.py::test_notebook_runs[lifecycle_walkthrough.ipynb]": 230,
+    "tests/test_docs_examples.py::test_page_examples_run[coordinator.md]": 210,
+    "tests/test_docs_examples.py::test_page_examples_run[routing.md]": 190,
+    "tests/test_notebooks.py::test_notebook_runs[quickstart.ipynb]": 150,
+    "tests/test_docs_examples.py::test_page_examples_run[sleep.md]": 45,
+}
+
+
+def _unit(nodeid: str) -> str:
+    """A test's unit of work: its directory under tests/ (the files of a directory share
+    compiled programs: tests/serving/test_engine_sleep.py reuses test_engine.py's engines, the
+    tests/model files one jitted step, the coordinator files the ops of one plan; JAX's caches
+    are only dropped between directories, above), a top-level file, or one subprocess test."""
+    path = nodeid.split("::", 1)[0]
+    if path in _PER_TEST:
+        return nodeid
+    folder = path.rpartition("/")[0]
+    return path if folder == "tests" else folder
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with :func:`_unit` as the unit, longest units first, and a worker
+    given its next unit only when it is about to idle (so no worker hoards long units)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid):
+            return _unit(nodeid)
+
+        def _assign_work_unit(self, node):
+            longest = max(self.workqueue, key=lambda unit: _WEIGHT.get(unit, 0))
+            self.workqueue.move_to_end(longest, last=False)
+            super()._assign_work_unit(node)
+
+        def _reschedule(self, node):
+            if node.shutting_down:
+                return
+            if not self.workqueue:
+                node.shutdown()
+                return
+            # A worker runs a test once it knows the next one: one pending test means idle.
+            if self._pending_of(self.assigned_work[node]) <= 1:
+                self._assign_work_unit(node)
+
+    return Scheduling(config, log)
