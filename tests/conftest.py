@@ -100,6 +100,7 @@ def _unit(nodeid: str) -> str:
     return path if folder == "tests" else folder
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadfile`` with :func:`_unit` as the unit, longest units first, and a worker
     given its next unit only when it is about to idle (so no worker hoards long units)."""
