@@ -385,10 +385,17 @@ def extend_fn(
         # The step's tokens are unknown: the request's committed chain would be too.
         state = replace(state, keyed=set_rows(state.keyed, s, served, False))
     else:
-        t_w = plan.limits.max_count
-        toks = batch.tokens[:, :t_w]
-        toks = jnp.pad(toks, ((0, 0), (0, t_w - toks.shape[1])))
-        state = replace(state, fifo_tokens=state.fifo_tokens.at[srow, pos].set(toks, mode="drop"))
+        # Only the columns a step of this call can count are written (``count <= mc``; later
+        # columns are never read): a decode step writes one token per row, not the whole
+        # ``limits.max_count``-wide FIFO row (at B = 256 and 4k chunks that was a 4 MB pad
+        # and scatter on every step).
+        w = min(plan.limits.max_count, max(batch.tokens.shape[1], mc))
+        toks = batch.tokens[:, :w]
+        toks = jnp.pad(toks, ((0, 0), (0, w - toks.shape[1])))
+        state = replace(
+            state,
+            fifo_tokens=state.fifo_tokens.at[srow, pos, :w].set(toks, mode="drop"),
+        )
     result = StepResult(
         status=status,
         slot=jnp.where(served, s, -1),

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from flatkv_jax.block_pool import decref, incref
 from flatkv_jax.coordinator.layout import state_layout
-from flatkv_jax.coordinator.rows import replace, set_rows
+from flatkv_jax.coordinator.rows import ceil_div, replace, set_rows
 from flatkv_jax.coordinator.state import CacheState, pool_layout, table_size
 from flatkv_jax.plan import CachePlan
 from flatkv_jax.prefix import index as index_lib
@@ -120,78 +120,120 @@ def publish_blocks(
     (docs/semantics.md, "Prefix reuse"). A block whose insert overflows its bucket pair is
     not cached (a later miss, never a wrong hit).
     """
-    layout = pool_layout(plan)
     a = jnp.where(pub, accepted, 0)
     ns = state.namespace[s]
     toks = state.fifo_tokens[s, head, :width]
     # Only the `width` accepted-token columns are hashed (lanes [B, width, LANES]).
     lanes, chain = keys_lib.extend_chain(state.chain[s], toks, c_old, a, ns, seed=state.key_seed)
-    offered = [
-        _completed_blocks(plan, state, g, s, pub, c_old, c_old + a, lanes, width)
-        for g in range(len(plan.groups))
-    ]
-    indexes, taken, present, keys = _insert_blocks(state.indexes, offered, ns)
-    groups = jnp.concatenate([b.group.reshape(-1) for b in offered])
-    pages = jnp.concatenate([b.page.reshape(-1) for b in offered])
-    tidx = jnp.concatenate([b.table_index.reshape(-1) for b in offered])
-    valid = jnp.concatenate([b.valid.reshape(-1) for b in offered])
-    pools = incref(state.allocator, layout, groups, jnp.where(taken, pages, -1))
-    # Not taken and not already this page's key: another page holds it (from before the call,
-    # or an earlier row of this call took it), or its bucket pair is full.
-    others = valid & ~taken & (present != pages)
-    state = replace(
-        state,
-        allocator=pools,
-        indexes=tuple(indexes),
-        chain=set_rows(state.chain, s, pub, chain),
+    offered = _flatten(
+        [
+            _completed_blocks(plan, state, g, s, pub, c_old, c_old + a, lanes, width)
+            for g in range(len(plan.groups))
+        ],
+        ns,
     )
-    # Sharing happens only when a request recomputed blocks another page holds (a prefix
-    # evicted in some group but not in all, or two requests computing one prompt at once):
-    # skip its sort and scatters on every other step. The cond carries only the arrays it
-    # writes (an LRU's ring passed through a cond is copied by XLA, every step).
+    state = replace(state, chain=set_rows(state.chain, s, pub, chain))
+    # Few of the B x groups candidate rows complete a block (a decode step at B = 256: ~50 of
+    # 1,536): the offered rows are compacted, in order, and published in chunks of `k` rows,
+    # so keys, lookups and the batch rules' sorts cost the blocks offered, not the candidates.
+    # Chunks run in row order and each sees the blocks earlier chunks indexed, so the outcome
+    # is the one of a single pass (first publisher wins in row order).
+    n = offered.valid.shape[0]
+    k = publish_chunk(n)
+    total = jnp.sum(offered.valid, dtype=_I32)
+    order = jnp.nonzero(offered.valid, size=n, fill_value=n)[0].astype(_I32)
+    order = jnp.pad(order, (0, -n % k), constant_values=n)
     marks = tuple((lr.cached, lr.count) for lr in state.lrus)
-    pools, marks, tables = jax.lax.cond(
-        jnp.any(others),
-        lambda pl, mk, tb: _share_blocks(
-            plan, pl, mk, tb, _Offered(groups, pages, tidx, valid, taken, present, keys, others)
-        ),
-        lambda pl, mk, tb: (pl, mk, tb),
-        state.allocator,
-        marks,
-        state.table_buffer,
+
+    def body(i, carry):
+        pools, indexes, marks, tables = carry
+        sel = jax.lax.dynamic_slice(order, (i * k,), (k,))
+        c = jax.tree.map(lambda x: x[jnp.clip(sel, 0, n - 1)], offered)
+        c = c._replace(valid=c.valid & (sel < n))
+        keys = keys_lib.keys_from_lanes(c.sums[:, None, :], c.ends[:, None], c.namespace)[:, 0]
+        indexes, taken, _, present = index_lib.insert_mixed(indexes, c.group, keys, c.page, c.valid)
+        pools = incref(pools, pool_layout(plan), c.group, jnp.where(taken, c.page, -1))
+        # Not taken and not already this page's key: another page holds it (from before this
+        # chunk, or an earlier row of this chunk took it), or its bucket pair is full.
+        others = c.valid & ~taken & (present != c.page)
+        # Sharing happens only when a request recomputed blocks another page holds (a prefix
+        # evicted in some group but not in all, or two requests computing one prompt at
+        # once): skip its sort and scatters otherwise. The cond carries only the arrays it
+        # writes (an LRU's ring passed through a cond is copied by XLA).
+        pools, marks, tables = jax.lax.cond(
+            jnp.any(others),
+            lambda pl, mk, tb: _share_blocks(plan, pl, mk, tb, c, taken, present, keys, others),
+            lambda pl, mk, tb: (pl, mk, tb),
+            pools,
+            marks,
+            tables,
+        )
+        return pools, indexes, marks, tables
+
+    pools, indexes, marks, tables = jax.lax.fori_loop(
+        0,
+        ceil_div(total, k),
+        body,
+        (state.allocator, state.indexes, marks, state.table_buffer),
     )
     lrus = tuple(
-        dataclasses.replace(lr, cached=c, count=n)
-        for lr, (c, n) in zip(state.lrus, marks, strict=True)
+        dataclasses.replace(lr, cached=cached, count=count)
+        for lr, (cached, count) in zip(state.lrus, marks, strict=True)
     )
-    return replace(state, allocator=pools, lrus=lrus, table_buffer=tables)
+    return replace(state, allocator=pools, indexes=indexes, lrus=lrus, table_buffer=tables)
+
+
+def publish_chunk(n: int) -> int:
+    """Rows of one publish chunk for ``n`` candidate rows (static): about a sixteenth of them
+    (a decode step at B = 256 offers ~50 blocks out of 1,536 candidates: one chunk; a prefill
+    of 4,096 tokens ~770 out of 2,700 per row: two or three), at least 64."""
+    return min(n, max(64, 1 << max(0, (n // 16 - 1).bit_length())))
 
 
 class _Offered(NamedTuple):
-    """Every offered block of one publish, flattened (groups in order)."""
+    """Candidate blocks of one publish, flattened (groups in order, then rows, older blocks
+    first)."""
 
     group: jax.Array  # int32[N]
-    page: jax.Array  # int32[N]: the row's own page
+    ends: jax.Array  # int32[N]: the block's end position (its key covers tokens [0, end))
+    sums: jax.Array  # uint32[N, LANES]: the chain lanes at ``end``
     table_index: jax.Array  # int32[N]: its entry in ``table_buffer``
-    valid: jax.Array  # bool[N]
-    taken: jax.Array  # bool[N]: the index took this page
-    present: jax.Array  # int32[N]: the page holding the key before the call (0: none)
-    keys: jax.Array  # uint32[N, KEY_WORDS]
-    others: jax.Array  # bool[N]: not taken, key not held by this page
+    page: jax.Array  # int32[N]: the row's own page
+    valid: jax.Array  # bool[N]: offered
+    namespace: jax.Array  # the row's namespace, one per block
 
 
-def _share_blocks(plan: CachePlan, pools, marks, tables, o: _Offered):
+def _flatten(blocks: list[_Blocks], ns: jax.Array) -> _Offered:
+    def cat(f):
+        return jnp.concatenate([f(b).reshape(-1, *f(b).shape[2:]) for b in blocks])
+
+    def row_ns(b):
+        return jnp.broadcast_to(ns[:, None], (*b.valid.shape, *ns.shape[1:]))
+
+    return _Offered(
+        group=cat(lambda b: b.group),
+        ends=cat(lambda b: b.ends),
+        sums=cat(lambda b: b.sums),
+        table_index=cat(lambda b: b.table_index),
+        page=cat(lambda b: b.page),
+        valid=cat(lambda b: b.valid),
+        namespace=cat(row_ns),
+    )
+
+
+def _share_blocks(plan: CachePlan, pools, marks, tables, o: _Offered, taken, present, keys, others):
     """Rows whose key another page holds switch their table entry to that page; ``marks``
     are the LRUs' ``(cached, count)`` (taking a page touches nothing else)."""
     layout = pool_layout(plan)
-    # A key absent before the call and not taken by this row: the first row of the call with
-    # the same key took it (its page holds it now), or its bucket pair was full (nothing).
-    cols = (o.group, *(o.keys[:, w] for w in range(keys_lib.KEY_WORDS)))
-    first = first_index(cols, o.valid & (o.present == 0))
+    # A key absent before the chunk and not taken by this row: the first row of the chunk
+    # with the same key took it (its page holds it now), or its bucket pair was full
+    # (nothing holds it).
+    cols = (o.group, *(keys[:, w] for w in range(keys_lib.KEY_WORDS)))
+    first = first_index(cols, o.valid & (present == 0))
     f = jnp.clip(first, 0, o.page.shape[0] - 1)
-    in_call = jnp.where((first >= 0) & o.taken[f], o.page[f], 0)
-    holder = jnp.where(o.present > 0, o.present, in_call)
-    share = o.others & (holder > 0)
+    in_call = jnp.where((first >= 0) & taken[f], o.page[f], 0)
+    holder = jnp.where(present > 0, present, in_call)
+    share = others & (holder > 0)
     # The holder gains this table's reference first, then the own copy (one reference: this
     # table's; never indexed) drops to 0 and is freed. Listings stay grouped by pool.
     pools = incref(pools, layout, o.group, jnp.where(share, holder, -1))
@@ -255,41 +297,3 @@ def _completed_blocks(
     entry = state.table_buffer[tidx]
     group = jnp.full(ok.shape, g, _I32)
     return _Blocks(group, ends, new_sums, tidx, entry, ok & (entry >= 1))
-
-
-def _insert_blocks(indexes, offered: list[_Blocks], ns: jax.Array):
-    """Inserts every group's offered blocks into its index (first publisher wins), all groups
-    in one :func:`~flatkv_jax.prefix.index.insert_groups` (4 sorts per step, not 4 per
-    group); returns the indexes and, per flattened block (groups in order), whether its page
-    was taken, the page that held its key before the call (0: none) and its key."""
-    sizes = tuple(b.valid.size for b in offered)
-    valid = jnp.concatenate([b.valid.reshape(-1) for b in offered])
-
-    def insert(ixs):
-        keys = [
-            keys_lib.keys_from_lanes(b.sums, b.ends, ns).reshape(-1, keys_lib.KEY_WORDS)
-            for b in offered
-        ]
-        # Read before the insert writes (a read of the written index would copy it).
-        present = jnp.concatenate(
-            [
-                index_lib.lookup(ix, k, b.valid.reshape(-1))
-                for ix, k, b in zip(ixs, keys, offered, strict=True)
-            ]
-        )
-        keys = jnp.concatenate(keys)
-        pages = jnp.concatenate([b.page.reshape(-1) for b in offered])
-        ixs, taken, _ = index_lib.insert_groups(ixs, sizes, keys, pages, valid)
-        return ixs, taken, present, keys
-
-    def skip(ixs):
-        n = valid.shape[0]
-        return (
-            ixs,
-            jnp.zeros((n,), jnp.bool_),
-            jnp.zeros((n,), _I32),
-            jnp.zeros((n, keys_lib.KEY_WORDS), jnp.uint32),
-        )
-
-    # A step that completes no block (or only holes) skips the insert's sorts and scatters.
-    return jax.lax.cond(jnp.any(valid), insert, skip, tuple(indexes))

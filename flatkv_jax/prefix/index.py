@@ -381,6 +381,85 @@ def insert_groups(
     return tuple(out), placed1 | jnp.concatenate(placed2), held
 
 
+def insert_mixed(
+    indexes: tuple[PrefixIndex, ...],
+    group: jax.Array,
+    keys: jax.Array,
+    pages: jax.Array,
+    valid: jax.Array,
+) -> tuple[tuple[PrefixIndex, ...], jax.Array, jax.Array, jax.Array]:
+    """:func:`insert_held` into several indexes, row ``i`` into ``indexes[group[i]]``.
+
+    The same result as :func:`insert_groups` on the rows stably sorted by group (first
+    publisher wins per index, in row order), for rows of every index mixed in any order: a
+    caller that compacted a sparse batch (the coordinator publishes a few completed blocks out
+    of ``B x groups`` candidate rows) passes only those rows. Every index looks up every row
+    (``O(N x indexes)`` compares, no sort), so keep ``N`` small; the batch-wide rules are 4
+    sorts of ``N`` rows as in :func:`insert_groups`.
+
+    Args:
+      indexes: the indexes.
+      group: int32[N], each row's index (rows with another value are ignored).
+      keys: uint32[N, KEY_WORDS].
+      pages: int32[N], pages of each row's own index's pool.
+      valid: bool[N].
+
+    Returns:
+      ``(indexes, taken, held, present)``: as :func:`insert_held` per row, plus int32[N], the
+      page holding each valid row's key before the call (0: none).
+    """
+    k = _flat_keys(indexes[0], keys) if indexes else keys
+    n = k.shape[0]
+    pages = jnp.asarray(pages)
+    group = jnp.asarray(group)
+    if pages.shape != (n,) or pages.dtype != jnp.int32:
+        fail(
+            "pages",
+            f"{pages.dtype}{list(pages.shape)}",
+            f"one int32 page per key, shape ({n},)",
+            "pass int32[N]",
+        )
+    if group.shape != (n,) or group.dtype != jnp.int32:
+        fail(
+            "group",
+            f"{group.dtype}{list(group.shape)}",
+            f"one int32 index number per key, shape ({n},)",
+            "pass int32[N]",
+        )
+    v = _valid(valid, (n,))
+    eligible = held = jnp.zeros((n,), bool)
+    present = first = second = jnp.zeros((n,), jnp.int32)
+    offsets, b_off = [], 0
+    for g, ix in enumerate(indexes):
+        ours = group == g
+        mine = v & ours
+        pg = jnp.where(ours, pages, 0)
+        usable = (pg >= 1) & (pg <= ix.num_pages - 2)
+        found, _ = _find(ix, k)
+        h = ours & holds(ix, pg)
+        held = held | h
+        present = jnp.where(mine, found, present)
+        eligible = eligible | (mine & usable & (found == 0) & ~h)
+        f, s2 = _pick_buckets(ix, k)
+        first = jnp.where(mine, f + b_off, first)
+        second = jnp.where(mine, s2 + b_off, second)
+        offsets.append(b_off)
+        b_off += ix.num_buckets
+    want = eligible & first_occurrence((group, *(k[:, w] for w in range(KEY_WORDS))), eligible)
+    want = want & first_occurrence((group, pages), eligible)
+    out = list(indexes)
+    placed = jnp.zeros((n,), bool)
+    for buckets in (first, second):
+        w = want & ~placed
+        rank = rank_within(buckets, w)
+        for g, ix in enumerate(out):
+            mine = group == g
+            local = jnp.where(mine, buckets - offsets[g], 0)
+            out[g], p = _place(ix, k, pages, local, w & mine, rank)
+            placed = placed | p
+    return tuple(out), placed, held, jnp.where(v, present, 0)
+
+
 def remove(
     index: PrefixIndex, pages: jax.Array, valid: jax.Array | None = None
 ) -> tuple[PrefixIndex, jax.Array]:

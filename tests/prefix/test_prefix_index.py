@@ -251,3 +251,58 @@ def test_insert_groups_equals_one_insert_per_index():
         I.insert_groups(
             indexes, (1, 0, 1, 0), shared[:3], jnp.ones((3,), jnp.int32), jnp.ones(3, bool)
         )
+
+
+def test_insert_mixed_equals_insert_groups():
+    """Rows of several indexes interleaved in any order (the coordinator's compacted publish
+    chunks) give insert_groups' result on the same rows grouped, within-index order kept:
+    duplicates, overflowing buckets, keys present, pages held; ``present`` is the lookup
+    before the call."""
+    rng = np.random.default_rng(3)
+    sizes = (24, 0, 40, 17)
+    pool = (30, 10, 60, 25)
+    indexes = tuple(
+        I.create_index(p, num_buckets=b) for p, b in zip(pool, (2, 4, 8, 2), strict=True)
+    )
+    shared = _keys(64, seed=12)
+    indexes = tuple(
+        I.insert(ix, shared[:5], jnp.arange(1, 6, dtype=jnp.int32) + i, None)[0]
+        for i, ix in enumerate(indexes)
+    )
+    mixed = jax.jit(I.insert_mixed)
+    for trial in range(3):
+        ks, ps, vs = [], [], []
+        for n, p in zip(sizes, pool, strict=True):
+            ks.append(shared[rng.integers(0, 40, n)])
+            ps.append(jnp.asarray(rng.integers(0, p, n), jnp.int32))
+            vs.append(jnp.asarray(rng.random(n) < 0.85))
+        keys, pages, valid = jnp.concatenate(ks), jnp.concatenate(ps), jnp.concatenate(vs)
+        group = np.repeat(np.arange(len(sizes)), sizes).astype(np.int32)
+        want_ix, want_taken, want_held = I.insert_groups(indexes, sizes, keys, pages, valid)
+        # Interleave: a random order that keeps each index's rows in their order.
+        pos = {g: iter(np.flatnonzero(group == g)) for g in range(len(sizes))}
+        gseq = rng.permutation(group)
+        perm = np.array([next(pos[g]) for g in gseq])
+        got_ix, taken, held, present = mixed(
+            indexes, jnp.asarray(group[perm]), keys[perm], pages[perm], valid[perm]
+        )
+        np.testing.assert_array_equal(np.asarray(taken), np.asarray(want_taken)[perm])
+        np.testing.assert_array_equal(np.asarray(held), np.asarray(want_held)[perm])
+        before = np.concatenate(
+            [np.asarray(I.lookup(ix, k, v)) for ix, k, v in zip(indexes, ks, vs, strict=True)]
+        )
+        np.testing.assert_array_equal(np.asarray(present), before[perm])
+        assert np.asarray(taken).any() and not np.asarray(taken).all(), trial
+        for g, w in zip(got_ix, want_ix, strict=True):
+            for a, b in zip(
+                jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(w), strict=True
+            ):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            _check_consistent(g)
+        indexes = got_ix
+    with pytest.raises(ValueError, match="one int32 index number per key"):
+        I.insert_mixed(indexes, jnp.zeros(3), shared[:3], jnp.ones(3, jnp.int32), jnp.ones(3, bool))
+    with pytest.raises(ValueError, match="one int32 page per key"):
+        I.insert_mixed(
+            indexes, jnp.zeros(3, jnp.int32), shared[:3], jnp.ones(2, jnp.int32), jnp.ones(3, bool)
+        )
