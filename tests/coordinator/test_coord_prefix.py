@@ -362,3 +362,35 @@ def test_a_prefix_evicted_in_one_group_is_recomputed_and_shared_in_the_others():
     assert (kv.in_use, kv.cached_only) == (2, 0)
     d.release((h, FINISH))
     assert d.hit(toks) == 16
+
+
+def test_publishing_in_chunks_gives_the_single_pass_result(monkeypatch):
+    """Publish compacts the offered blocks and inserts them in chunks of
+    ``publish.publish_chunk(N)`` rows, each chunk seeing what earlier ones indexed. With chunks
+    of one row (every block its own pass) the state after a retire of two requests computing
+    the same prompt (the second shares the first's pages), then decode steps, is the state of
+    the default single chunk, page for page."""
+    from flatkv_jax.coordinator import publish
+
+    toks = [*SYS[:CHUNK], 1, 2, 3]
+
+    def run(retire):
+        d = PrefixDriver()
+        ra, rb = d.admit_tokens(toks), d.admit_tokens(toks)
+        a, b = host.handles(ra, 1)[0], host.handles(rb, 1)[0]
+        n = int(ra.count[0])
+        res = d._run(retire, host.retire_batch(d.plan, [(a, n), (b, n)]))
+        assert host.statuses(res, 2) == [Status.OK, Status.OK]
+        for i in range(6):
+            d._run(ops.extend, host.extend_batch(d.plan, [(a, 1), (b, 1)], tokens=[[i], [i]]))
+            res = d._run(retire, host.retire_batch(d.plan, [(a, 1), (b, 1)]))
+            assert host.statuses(res, 2) == [Status.OK, Status.OK]
+        return d, a, b
+
+    whole, a, b = run(ops.retire)
+    # The second request shares the first one's published pages (one indexed copy).
+    assert whole.pages_of(b)["c4_kv"][0] == whole.pages_of(a)["c4_kv"][0]
+    monkeypatch.setattr(publish, "publish_chunk", lambda n: 1)
+    retire_1 = jax.jit(ops.retire_fn, static_argnames=("plan", "max_count"), donate_argnums=1)
+    chunked, _, _ = run(retire_1)
+    assert_same(snapshot(whole.state), snapshot(chunked.state))
