@@ -291,7 +291,11 @@ class Run:
             ok = res.status == Status.OK
             rb = RetireBatch(ok & (res.count > 0), res.slot, res.generation, res.count)
             state, _ = ops.retire_fn(plan, state, rb, max_count=mc)
-            state, _ = ops.reclaim_fn(plan, state, HandleBatch(ok, res.slot, res.generation))
+            # The prefill drops up to `mc / B + 1` window columns per group and row: sweep
+            # them in chunks sized for that, not a decode step's 64 entries.
+            state, _ = ops.reclaim_fn(
+                plan, state, HandleBatch(ok, res.slot, res.generation), max_count=mc
+            )
             return state, (res.status, res.slot, res.generation, res.hit)
 
         def release(state, relb):

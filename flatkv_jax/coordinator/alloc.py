@@ -18,6 +18,7 @@ from flatkv_jax.coordinator.layout import per_group, state_layout
 from flatkv_jax.coordinator.rows import ceil_div, replace, set_cols, set_rows
 from flatkv_jax.coordinator.segments import segment_rows
 from flatkv_jax.coordinator.state import CacheState, pool_layout, table_size
+from flatkv_jax.errors import check_positive_int
 from flatkv_jax.plan import CachePlan
 from flatkv_jax.prefix import index as index_lib
 from flatkv_jax.prefix import lru as lru_lib
@@ -210,8 +211,21 @@ def release_chunk(b: int) -> int:
     return max(256, 8 * b)
 
 
-def reclaim_chunk(plan: CachePlan, b: int) -> int:
-    # A decode step drops at most a block per window group and request, and usually only in
-    # the small-block groups: a chunk of one entry per request is one or two iterations.
-    del plan
-    return max(64, b)
+def reclaim_chunk(plan: CachePlan, b: int, max_count: int | None = None) -> int:
+    """Entries per sweep iteration of a reclaim of ``b`` rows.
+
+    A decode step drops at most a block per window group and request, and usually only in
+    the small-block groups: a chunk of one entry per request is one or two iterations. After
+    ``max_count`` committed tokens a row drops up to ``max_count / B + 1`` columns per window
+    group: the chunk covers that (a power of two, at most 2,048: each iteration sorts its
+    chunk twice), instead of looping 64 entries at a time.
+    """
+    if max_count is None:
+        return max(64, b)
+    check_positive_int("max_count", max_count)
+    lay = state_layout(plan)
+    per_row = sum(
+        max_count // bt + 1 for bt, win in zip(lay.block_tokens, lay.is_window, strict=True) if win
+    )
+    want = max(64, b, b * per_row)
+    return min(1 << (want - 1).bit_length(), max(2048, b))

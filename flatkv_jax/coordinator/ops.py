@@ -553,7 +553,7 @@ def rewind_fn(
 
 
 def reclaim_fn(
-    plan: CachePlan, state: CacheState, batch: HandleBatch
+    plan: CachePlan, state: CacheState, batch: HandleBatch, *, max_count: int | None = None
 ) -> tuple[CacheState, ReclaimResult]:
     """Window groups: columns wholly behind the window of ``committed`` become holes (0).
 
@@ -563,6 +563,16 @@ def reclaim_fn(
 
     Per row: ``IDLE``, ``STALE``, ``BAD_ARG`` (repeated slot), else ``OK`` (a request whose
     release is pending may still reclaim).
+
+    Args:
+      plan: the cache plan (static).
+      state: the cache state (donated by :data:`reclaim`).
+      batch: the handles.
+      max_count: static, optional: about how many tokens each row committed since its last
+        reclaim. It only sizes the sweep's chunks (the result is the same for any value):
+        the default suits decode steps (one entry per row and chunk); after a prefill pass
+        the chunk width (a 4,096-token prefill drops ~2,600 window columns per row on
+        V4-Flash, which the default walks 64 at a time).
     """
     check_state_for_plan(plan, state, "reclaim")
     check_batch(batch, HandleBatch, "reclaim")
@@ -582,7 +592,7 @@ def reclaim_fn(
     bt, win = per_group(lay.block_tokens)[:, None], per_group(lay.window)[:, None]
     behind = jnp.maximum(0, (c[None, :] - win + 1) // bt)
     new_lo = jnp.where(per_group(lay.is_window)[:, None], jnp.clip(behind, lo, hi), lo)
-    state = sweep(plan, state, s, go, lo, new_lo, 0, reclaim_chunk(plan, b))
+    state = sweep(plan, state, s, go, lo, new_lo, 0, reclaim_chunk(plan, b, max_count))
     state = replace(state, lo=set_cols(state.lo, s, go, new_lo))
     return state, ReclaimResult(status, jnp.where(go[:, None], (new_lo - lo).T, 0))
 
@@ -634,7 +644,7 @@ extend = jax.jit(extend_fn, static_argnames=("plan", "max_count"), donate_argnam
 retire = jax.jit(retire_fn, static_argnames=("plan", "max_count"), donate_argnames=("state",))
 #: ``rewind_fn`` jitted (plan static, state donated).
 rewind = jax.jit(rewind_fn, static_argnames=("plan",), donate_argnames=("state",))
-#: ``reclaim_fn`` jitted (plan static, state donated).
-reclaim = jax.jit(reclaim_fn, static_argnames=("plan",), donate_argnames=("state",))
+#: ``reclaim_fn`` jitted (plan and ``max_count`` static, state donated).
+reclaim = jax.jit(reclaim_fn, static_argnames=("plan", "max_count"), donate_argnames=("state",))
 #: ``release_fn`` jitted (plan static, state donated).
 release = jax.jit(release_fn, static_argnames=("plan",), donate_argnames=("state",))

@@ -461,7 +461,11 @@ def insert_mixed(
 
 
 def remove(
-    index: PrefixIndex, pages: jax.Array, valid: jax.Array | None = None
+    index: PrefixIndex,
+    pages: jax.Array,
+    valid: jax.Array | None = None,
+    *,
+    distinct: bool = False,
 ) -> tuple[PrefixIndex, jax.Array]:
     """Drops the entries holding ``pages`` (eviction, or invalidating a page's content).
 
@@ -469,6 +473,9 @@ def remove(
       index: the group's index.
       pages: int32[N] (duplicates and pages the index does not hold are fine).
       valid: optional bool[N].
+      distinct: static; True promises that no page is listed twice among the valid rows
+        (an LRU eviction's pages, each popped once), which skips the sort that counts
+        distinct pages. A wrong promise miscounts ``count``.
 
     Returns:
       ``(index, removed)``: bool[N], whether the index held the page before the call (true
@@ -488,7 +495,7 @@ def remove(
     slot = index.slot_of_page[jnp.clip(pages, 0, index.num_pages - 1)]
     cap = index.capacity
     target = jnp.where(removed, slot, cap)
-    distinct = first_occurrence((pages,), removed)
+    once = removed if distinct else first_occurrence((pages,), removed)
     new = PrefixIndex(
         keys=index.keys.reshape(cap, KEY_WORDS)
         .at[target]
@@ -498,7 +505,7 @@ def remove(
         slot_of_page=index.slot_of_page.at[jnp.where(removed, pages, index.num_pages)].set(
             -1, mode="drop"
         ),
-        count=index.count - jnp.sum(distinct, dtype=jnp.int32),
+        count=index.count - jnp.sum(once, dtype=jnp.int32),
     )
     return new, removed
 

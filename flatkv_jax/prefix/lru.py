@@ -433,5 +433,6 @@ def evict(
         head=head,
         count=lru.count - got,
     )
-    index, _ = index_lib.remove(index, out, taken)
+    # Each cached-only page has one live ring entry: the evicted pages are distinct.
+    index, _ = index_lib.remove(index, out, taken, distinct=True)
     return lru, index, out, got

@@ -394,3 +394,22 @@ def test_publishing_in_chunks_gives_the_single_pass_result(monkeypatch):
     retire_1 = jax.jit(ops.retire_fn, static_argnames=("plan", "max_count"), donate_argnums=1)
     chunked, _, _ = run(retire_1)
     assert_same(snapshot(whole.state), snapshot(chunked.state))
+
+
+def test_reclaim_max_count_sizes_the_chunks_not_the_result():
+    """``reclaim(max_count=...)`` only sizes the sweep's chunks (a prefill drops many window
+    columns per row): the state is the one of the default decode-sized chunks."""
+    toks = [*SYS[:CHUNK], 1, 2, 3]
+    states = []
+    for kw in ({}, {"max_count": CHUNK}):
+        d = PrefixDriver()
+        res = d.admit_tokens(toks)
+        h = host.handles(res, 1)[0]
+        d.retire((h, int(res.count[0])))
+        rec = d._run(ops.reclaim, host.handle_batch(d.plan, [h]), **kw)
+        assert host.statuses(rec, 1) == [Status.OK]
+        assert int(np.asarray(rec.holes).sum()) > 0  # window columns were dropped
+        states.append(snapshot(d.state))
+    assert_same(*states)
+    with pytest.raises(ValueError, match="max_count"):
+        ops.reclaim(d.plan, d.state, host.handle_batch(d.plan, [h]), max_count=0)

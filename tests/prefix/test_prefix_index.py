@@ -129,6 +129,18 @@ def test_remove_and_remove_keys():
     assert np.asarray(lookup(idx, k, None)).tolist() == [0, 0, 0, 0, 5]
     _check_consistent(idx)
     assert int(I.clear(idx).count) == 0
+    # distinct=True (pages known distinct, as an LRU eviction's): the same result, no sort.
+    both = []
+    for distinct in (False, True):
+        ix = insert(I.create_index(20), k, jnp.arange(1, 6, dtype=jnp.int32), None)[0]
+        f = jax.jit(I.remove, static_argnames="distinct")
+        ix, removed = f(ix, jnp.array([2, 9, 0, 4], jnp.int32), None, distinct=distinct)
+        assert np.asarray(removed).tolist() == [True, False, False, True]
+        assert int(ix.count) == 3
+        _check_consistent(ix)
+        both.append(ix)
+    for a, b in zip(jax.tree.leaves(both[0]), jax.tree.leaves(both[1]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @settings(max_examples=examples(20), deadline=None)
