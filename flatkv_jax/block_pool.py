@@ -254,20 +254,37 @@ def decref(
     Returns:
       The new allocator and ``int32[G]``, pages freed per pool.
     """
-    allocator, freed, _ = decref_left(allocator, layout, group, pages)
+    allocator, freed, _, _ = decref_left(allocator, layout, group, pages)
     return allocator, freed
 
 
 def decref_left(
-    allocator: BlockPoolSet, layout: PoolLayout, group: jax.Array, pages: jax.Array
-) -> tuple[BlockPoolSet, jax.Array, jax.Array]:
+    allocator: BlockPoolSet,
+    layout: PoolLayout,
+    group: jax.Array,
+    pages: jax.Array,
+    held: jax.Array | None = None,
+) -> tuple[BlockPoolSet, jax.Array, jax.Array, jax.Array]:
     """:func:`decref`, also returning ``int32[T]``: each listed page's references left after
     the call (-1 for skipped listings) — a page left with only the prefix index's reference
-    became cached-only. Returned rather than read back, which would copy the refcounts."""
+    became cached-only. Returned rather than read back, which would copy the refcounts.
+
+    Args:
+      held: optional ``bool[T]``, whether the prefix index holds each listed page (one of its
+        references is the index's). A page listed ``d`` times has at least ``d`` references
+        besides the index's, so when every listed page has at most one, no page is listed
+        twice and the listing needs no sort — the common case of a sweep dropping pages the
+        index also holds (without ``held``, any page with two references sorts).
+
+    Returns:
+      ``(allocator, freed, left, repeated)``: ``repeated`` is a ``bool[]``, False when no page
+      was listed twice (callers may skip their own dedupes then).
+    """
     flat = _flat_ids(layout, group, pages).reshape(-1)
     group = group.reshape(-1)
     old = allocator.refcount[jnp.clip(flat, 0, layout.total_pages - 1)]
-    shared = jnp.any((flat >= 0) & (old > 1))
+    others = 1 if held is None else 1 + held.reshape(-1).astype(_I32)
+    shared = jnp.any((flat >= 0) & (old > others))
     # The cond only plans (listing-sized outputs); the refcounts and the stacks are written
     # once, after it: a cond whose two branches both write a buffer makes XLA copy the buffer
     # (every refcount and stack of every pool, on every call).
@@ -278,7 +295,7 @@ def decref_left(
     )
     rc = allocator.refcount.at[target].set(new, mode="drop")
     allocator, freed = _push(allocator, layout, rc, push_flat, push_group, win)
-    return allocator, freed, left
+    return allocator, freed, left, shared
 
 
 def _plan_unique(layout: PoolLayout, flat, group, old):

@@ -158,15 +158,18 @@ def sweep(
         held = jnp.zeros((chunk,), jnp.bool_)
         for g, ix in enumerate(indexes):  # none without a prefix index
             held = held | ((gq == g) & index_lib.holds(ix, jnp.where(gq == g, pages, 0)))
-        pools, _, left = decref_left(pools, layout, gq, pages)
+        # With `held`, decref sorts only when some page is listed twice (two requests of
+        # the batch share it), not whenever a dropped page is also indexed (every step of a
+        # decode batch drops published window pages).
+        pools, _, left, repeated = decref_left(pools, layout, gq, pages, held)
         # Left with only the index's reference: cached-only now.
         now_cached = held & (pages > 0) & (left == 1)
-        # Every pool's pushes in one batched release (one sort, not one per pool); most
-        # chunks push nothing at all: skip it then.
+        # Every pool's pushes in one batched release; most chunks push nothing at all: skip
+        # it then. No page listed twice: no dedupe (sort) either.
         if lrus:  # none without a prefix index
             lrus = jax.lax.cond(
                 jnp.any(now_cached),
-                lambda lr: lru_lib.cache_groups(lr, gq, pages, now_cached),
+                lambda lr: lru_lib.cache_groups(lr, gq, pages, now_cached, repeats=repeated),
                 lambda lr: lr,
                 lrus,
             )

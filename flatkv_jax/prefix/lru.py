@@ -231,7 +231,12 @@ def cache(lru: CachedLRU, pages: jax.Array, valid: jax.Array | None = None) -> C
 
 
 def cache_groups(
-    lrus: tuple[CachedLRU, ...], group: jax.Array, pages: jax.Array, valid: jax.Array
+    lrus: tuple[CachedLRU, ...],
+    group: jax.Array,
+    pages: jax.Array,
+    valid: jax.Array,
+    *,
+    repeats: jax.Array | bool = True,
 ) -> tuple[CachedLRU, ...]:
     """:func:`cache` into several LRUs at once: the same result as one call per LRU
     (``lrus[g]`` gets the rows with ``group == g``, in batch order), with one sort for the
@@ -242,13 +247,25 @@ def cache_groups(
       group: int32[N], the LRU of each row.
       pages: int32[N], pages of that LRU's pool.
       valid: bool[N].
+      repeats: a Python bool or a traced ``bool[]``: whether a page may be listed twice
+        among the valid rows. False promises it is not (the caller knows, e.g. from
+        :func:`~flatkv_jax.block_pool.decref_left`) and skips the dedupe sort; a wrong
+        promise corrupts the LRU.
     """
     group, pages = _group_arg(group, pages)
     usable = jnp.zeros(pages.shape, bool)
     for g, lr in enumerate(lrus):
         _, ok = _pages_arg(lr, pages, valid & (group == g))
         usable = usable | ok
-    push_all = last_occurrence((group, pages), usable)
+    if repeats is True:
+        push_all = last_occurrence((group, pages), usable)
+    else:
+        push_all = jax.lax.cond(
+            jnp.asarray(repeats),
+            lambda u: last_occurrence((group, pages), u),
+            lambda u: u,
+            usable,
+        )
     return tuple(_push(lr, pages, push_all & (group == g)) for g, lr in enumerate(lrus))
 
 

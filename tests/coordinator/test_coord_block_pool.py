@@ -9,7 +9,14 @@ import pytest
 from coordinator_cases import PLAN
 
 from flatkv_jax import ServingLimits, plan_with_pages
-from flatkv_jax.block_pool import PoolLayout, allocate, create_block_pool_set, decref, incref
+from flatkv_jax.block_pool import (
+    PoolLayout,
+    allocate,
+    create_block_pool_set,
+    decref,
+    decref_left,
+    incref,
+)
 from flatkv_jax.coordinator import create_state, host, ops
 from flatkv_jax.recipes import hybrid_swa_groups
 
@@ -114,3 +121,46 @@ def test_no_pool_sized_temporaries(op):
 def test_plan_used_by_scenarios_is_small():
     # Keeps the scenario tests fast: a few dozen pages per pool.
     assert max(PLAN.num_pages) < 64
+
+
+def test_decref_left_with_held_sorts_only_for_pages_listed_twice():
+    """``held`` (the index holds the page) lets decref skip its sort when no page is listed
+    twice; the result (refcounts, stacks, freed, left) is the same as without it, and
+    ``repeated`` tells whether a page was listed twice."""
+    rng = np.random.default_rng(5)
+    f = jax.jit(decref_left, static_argnums=1)
+    for trial in range(6):
+        pools = create_block_pool_set(LAYOUT)
+        pools, _ = allocate_j(
+            pools, LAYOUT, jnp.asarray([[4, 5]], jnp.int32), jnp.asarray([True]), 5
+        )
+        # Some pages gain an index reference (held), some a second table reference.
+        held_pages = [(0, 1), (0, 3), (1, 2), (1, 5)]
+        g_h = jnp.asarray([g for g, _ in held_pages], jnp.int32)
+        p_h = jnp.asarray([p for _, p in held_pages], jnp.int32)
+        pools = incref_j(pools, LAYOUT, g_h, p_h)
+        twice = trial % 2 == 1
+        if twice:
+            pools = incref_j(
+                pools, LAYOUT, jnp.asarray([0], jnp.int32), jnp.asarray([2], jnp.int32)
+            )
+        listing = [(0, 1), (0, 2), (0, 3), (0, 4), (1, 1), (1, 2), (1, 5)]
+        if twice:
+            listing.append((0, 2))
+        # Grouped by pool, as decref requires (sweeps list pool by pool); shuffled within.
+        order = sorted(rng.permutation(len(listing)), key=lambda i: listing[i][0])
+        group = jnp.asarray([listing[i][0] for i in order], jnp.int32)
+        pages = jnp.asarray([listing[i][1] for i in order], jnp.int32)
+        held = jnp.asarray([listing[i] in held_pages for i in order])
+        a = f(pools, LAYOUT, group, pages, held)
+        b = f(pools, LAYOUT, group, pages)
+        # Refcounts, tops, freed and left are equal; which free page is on top is not part
+        # of the contract (the sorted path pushes in page order), the free sets are equal.
+        np.testing.assert_array_equal(np.asarray(a[0].refcount), np.asarray(b[0].refcount))
+        np.testing.assert_array_equal(np.asarray(a[0].top), np.asarray(b[0].top))
+        for x, y in zip(a[1:3], b[1:3], strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        for g in range(2):
+            assert sorted(_free(a[0], LAYOUT, g)) == sorted(_free(b[0], LAYOUT, g))
+        assert bool(a[3]) == twice, trial
+        assert bool(b[3])  # without held, every indexed page looks shared

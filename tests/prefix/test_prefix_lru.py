@@ -268,6 +268,21 @@ def test_release_groups_equals_one_release_per_lru():
     assert compacted and any(int(lr.count) > 0 for lr in lrus)
     with pytest.raises(ValueError, match="one int32 LRU number per page"):
         L.cache_groups(lrus, jnp.zeros((3,), jnp.int32), _pages(1, 2), jnp.ones(2, bool))
+    # repeats=False (a traced promise that no page is listed twice) skips the dedupe: the
+    # same LRUs as the sorted path on distinct pages; repeats=True (traced) dedupes.
+    promised = jax.jit(lambda lr, g, p, v, r: L.cache_groups(lr, g, p, v, repeats=r))
+    for distinct in (True, False):
+        pages = np.arange(1, 9, dtype=np.int32) if distinct else np.array([1, 2, 2, 3] * 2)
+        pages = pages.astype(np.int32)
+        group = (np.arange(pages.size) % 2).astype(np.int32)
+        valid = np.ones(pages.size, bool)
+        args = (lrus, jnp.asarray(group), jnp.asarray(pages), jnp.asarray(valid))
+        want = batched(*args)
+        got = promised(*args, jnp.asarray(not distinct))
+        for a, b in zip(
+            jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True
+        ):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_take_groups_equals_one_take_per_lru():
