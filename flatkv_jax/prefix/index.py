@@ -132,6 +132,19 @@ def _flat_keys(index: PrefixIndex, keys: jax.Array) -> jax.Array:
     return keys.reshape(-1, KEY_WORDS)
 
 
+def _per_key(what: str, x, n: int, meaning: str) -> jax.Array:
+    """``x`` as int32[N], one value per key; a wrong shape or dtype fails naming ``what``."""
+    x = jnp.asarray(x)
+    if x.shape != (n,) or x.dtype != jnp.int32:
+        fail(
+            what,
+            f"{x.dtype}{list(x.shape)}",
+            f"one int32 {meaning} per key, shape ({n},)",
+            "pass int32[N]",
+        )
+    return x
+
+
 def _valid(valid, shape: tuple[int, ...]) -> jax.Array:
     if valid is None:
         return jnp.ones((math.prod(shape),), bool)
@@ -263,14 +276,7 @@ def insert_held(
     """
     k = _flat_keys(index, keys)
     n = k.shape[0]
-    pages = jnp.asarray(pages)
-    if pages.shape != (n,) or pages.dtype != jnp.int32:
-        fail(
-            "pages",
-            f"{pages.dtype}{list(pages.shape)}",
-            f"one int32 page per key, shape ({n},)",
-            "pass int32[N]",
-        )
+    pages = _per_key("pages", pages, n, "page")
     v = _valid(valid, (n,))
     usable = (pages >= 1) & (pages <= index.num_pages - 2)
     present, _ = _find(index, k)
@@ -410,22 +416,8 @@ def insert_mixed(
     """
     k = _flat_keys(indexes[0], keys) if indexes else keys
     n = k.shape[0]
-    pages = jnp.asarray(pages)
-    group = jnp.asarray(group)
-    if pages.shape != (n,) or pages.dtype != jnp.int32:
-        fail(
-            "pages",
-            f"{pages.dtype}{list(pages.shape)}",
-            f"one int32 page per key, shape ({n},)",
-            "pass int32[N]",
-        )
-    if group.shape != (n,) or group.dtype != jnp.int32:
-        fail(
-            "group",
-            f"{group.dtype}{list(group.shape)}",
-            f"one int32 index number per key, shape ({n},)",
-            "pass int32[N]",
-        )
+    pages = _per_key("pages", pages, n, "page")
+    group = _per_key("group", group, n, "index number")
     v = _valid(valid, (n,))
     eligible = held = jnp.zeros((n,), bool)
     present = first = second = jnp.zeros((n,), jnp.int32)
