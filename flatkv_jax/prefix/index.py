@@ -315,9 +315,9 @@ def insert_groups(
     ``indexes[i]``, a static split). Lookups and writes stay per index (they touch only its
     entries), but the batch-wide steps — the two first-publisher-wins rules and the ranks
     within a bucket — are one sort each over all rows with the index number as the leading
-    column, instead of one sort per index: a coordinator publishing into every group's index
-    runs 4 sorts per step, not 4 per group (on XLA:CPU each sort, taken or not, costs a few
-    microseconds per step).
+    column, instead of one sort per index: publishing into every group's index runs 4 sorts,
+    not 4 per group. (The coordinator compacts its sparse rows and uses
+    :func:`insert_mixed`, which takes rows of any index in any order.)
 
     Args:
       indexes: the indexes, in order.
