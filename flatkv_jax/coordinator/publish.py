@@ -127,10 +127,9 @@ def publish_blocks(
     lanes, chain = keys_lib.extend_chain(state.chain[s], toks, c_old, a, ns, seed=state.key_seed)
     offered = _flatten(
         [
-            _completed_blocks(plan, state, g, s, pub, c_old, c_old + a, lanes, width)
+            _completed_blocks(plan, state, g, s, pub, c_old, c_old + a, lanes, width, ns)
             for g in range(len(plan.groups))
-        ],
-        ns,
+        ]
     )
     state = replace(state, chain=set_rows(state.chain, s, pub, chain))
     # Few of the B x groups candidate rows complete a block (a decode step at B = 256: ~50 of
@@ -190,38 +189,15 @@ def publish_chunk(n: int) -> int:
     return min(n, max(64, 1 << max(0, (n // 16 - 1).bit_length())))
 
 
-class _Offered(NamedTuple):
-    """Candidate blocks of one publish, flattened (groups in order, then rows, older blocks
-    first)."""
-
-    group: jax.Array  # int32[N]
-    ends: jax.Array  # int32[N]: the block's end position (its key covers tokens [0, end))
-    sums: jax.Array  # uint32[N, LANES]: the chain lanes at ``end``
-    table_index: jax.Array  # int32[N]: its entry in ``table_buffer``
-    page: jax.Array  # int32[N]: the row's own page
-    valid: jax.Array  # bool[N]: offered
-    namespace: jax.Array  # the row's namespace, one per block
-
-
-def _flatten(blocks: list[_Blocks], ns: jax.Array) -> _Offered:
-    def cat(f):
-        return jnp.concatenate([f(b).reshape(-1, *f(b).shape[2:]) for b in blocks])
-
-    def row_ns(b):
-        return jnp.broadcast_to(ns[:, None], (*b.valid.shape, *ns.shape[1:]))
-
-    return _Offered(
-        group=cat(lambda b: b.group),
-        ends=cat(lambda b: b.ends),
-        sums=cat(lambda b: b.sums),
-        table_index=cat(lambda b: b.table_index),
-        page=cat(lambda b: b.page),
-        valid=cat(lambda b: b.valid),
-        namespace=cat(row_ns),
+def _flatten(blocks: list[_Blocks]) -> _Blocks:
+    """Every group's candidate blocks as one flat batch (groups in order, then rows, older
+    blocks first): each field ``[B, N, ...]`` becomes ``[sum of B * N, ...]``."""
+    return jax.tree.map(
+        lambda *xs: jnp.concatenate([x.reshape(-1, *x.shape[2:]) for x in xs]), *blocks
     )
 
 
-def _share_blocks(plan: CachePlan, pools, marks, tables, o: _Offered, taken, present, keys, others):
+def _share_blocks(plan: CachePlan, pools, marks, tables, o: _Blocks, taken, present, keys, others):
     """Rows whose key another page holds switch their table entry to that page; ``marks``
     are the LRUs' ``(cached, count)`` (taking a page touches nothing else)."""
     layout = pool_layout(plan)
@@ -244,14 +220,16 @@ def _share_blocks(plan: CachePlan, pools, marks, tables, o: _Offered, taken, pre
 
 
 class _Blocks(NamedTuple):
-    """Blocks of one group offered to the index, ``[B, N]`` per row."""
+    """Candidate blocks: one group's ``[B, N]`` per row, or every group's flattened
+    (:func:`_flatten`) to ``[N]``."""
 
     group: jax.Array  # int32: the group
     ends: jax.Array  # int32: the block's end position (its key covers tokens [0, end))
-    sums: jax.Array  # uint32[B, N, LANES]: the chain state at ``end``
+    sums: jax.Array  # uint32[..., LANES]: the chain lanes at ``end``
     table_index: jax.Array  # int32: the block's entry in ``table_buffer``
-    page: jax.Array  # int32: the page the table holds there
+    page: jax.Array  # int32: the page the table holds there (the row's own page)
     valid: jax.Array  # bool: offered (a complete committed block whose page is not a hole)
+    namespace: jax.Array  # the row's namespace, one per block
 
 
 def hit_run_start(block_tokens: int, window: int, granularity: int, ends):
@@ -278,9 +256,10 @@ def _completed_blocks(
     c_new: jax.Array,
     lanes: jax.Array,
     width: int,
+    ns: jax.Array,
 ) -> _Blocks:
     """Group ``g``'s blocks completed in ``(c_old, c_new]`` (at most ``width // B + 1`` per
-    row)."""
+    row); ``ns``: each row's namespace."""
     lay = state_layout(plan)
     bt, w = lay.block_tokens[g], lay.table_width[g]
     n_ends = width // bt + 1
@@ -296,4 +275,5 @@ def _completed_blocks(
     tidx = lay.table_offset[g] + s[:, None] * w + slot
     entry = state.table_buffer[tidx]
     group = jnp.full(ok.shape, g, _I32)
-    return _Blocks(group, ends, new_sums, tidx, entry, ok & (entry >= 1))
+    row_ns = jnp.broadcast_to(ns[:, None], (*ok.shape, *ns.shape[1:]))
+    return _Blocks(group, ends, new_sums, tidx, entry, ok & (entry >= 1), row_ns)
