@@ -240,8 +240,9 @@ def decref(
     coordinator's sweeps produce them). When every listed page holds a single reference (no
     prefix sharing) each page is listed once and the call is a gather, a scatter and two prefix
     scans, O(T). A page with several references may be listed several times (shared by several
-    requests of the batch): it loses one reference per listing and is pushed once; that path
-    sorts the listing (O(T log T), no pool-sized scratch). Either way the refcounts are read
+    requests of the batch): it loses one reference per listing and is pushed once; when a
+    pairwise check of the shared pages' listings finds one listed twice (or there are more than
+    :data:`SUSPECTS`), that path sorts the listing (O(T log T), no pool-sized scratch). Either way the refcounts are read
     once, then written once with values that depend on the read — a write -> read -> write ->
     read chain, or a read used only after the write, would make XLA copy the whole array.
 
@@ -272,19 +273,23 @@ def decref_left(
     Args:
       held: optional ``bool[T]``, whether the prefix index holds each listed page (one of its
         references is the index's). A page listed ``d`` times has at least ``d`` references
-        besides the index's, so when every listed page has at most one, no page is listed
-        twice and the listing needs no sort — the common case of a sweep dropping pages the
-        index also holds (without ``held``, any page with two references sorts).
+        besides the index's, so only listings whose page has more references than one
+        listing plus the index's can repeat (suspects: a sweep dropping pages the index also
+        holds has none; a prefill whose hit pages other requests hold, a few dozen). Up to
+        :data:`SUSPECTS` suspects are compared pairwise, and the listing is sorted only when
+        two of them name one page or there are more (without ``held``, every page with two
+        references is a suspect).
 
     Returns:
       ``(allocator, freed, left, repeated)``: ``repeated`` is a ``bool[]``, False when no page
-      was listed twice (callers may skip their own dedupes then).
+      was listed twice (callers may skip their own dedupes then); True when one was, or when
+      more than :data:`SUSPECTS` listings were suspects.
     """
     flat = _flat_ids(layout, group, pages).reshape(-1)
     group = group.reshape(-1)
     old = allocator.refcount[jnp.clip(flat, 0, layout.total_pages - 1)]
     others = 1 if held is None else 1 + held.reshape(-1).astype(_I32)
-    shared = jnp.any((flat >= 0) & (old > others))
+    shared = _listed_twice(flat, (flat >= 0) & (old > others))
     # The cond only plans (listing-sized outputs); the refcounts and the stacks are written
     # once, after it: a cond whose two branches both write a buffer makes XLA copy the buffer
     # (every refcount and stack of every pool, on every call).
@@ -296,6 +301,28 @@ def decref_left(
     rc = allocator.refcount.at[target].set(new, mode="drop")
     allocator, freed = _push(allocator, layout, rc, push_flat, push_group, win)
     return allocator, freed, left, shared
+
+
+#: Suspects (listings whose page has more references than the listing explains) compared
+#: pairwise by :func:`_listed_twice`; more than this many fall back to the sort.
+SUSPECTS = 64
+
+
+def _listed_twice(flat: jax.Array, suspect: jax.Array) -> jax.Array:
+    """Whether some page is listed twice (``bool[]``), from ``suspect``: the listings whose
+    page has more references than one listing (plus the index's) explains. A page listed
+    ``d >= 2`` times has at least ``d`` references besides the index's, so every listing of
+    it is a suspect, and a page shared with another request but listed once is a suspect
+    that matches no other one. Up to :data:`SUSPECTS` suspects are compared pairwise (a
+    prefill whose hit pages other requests hold lists a few dozen); more answer True, the
+    sorted path, which is right in every case."""
+    t = flat.shape[0]
+    k = min(t, SUSPECTS)
+    at = jnp.nonzero(suspect, size=k, fill_value=t)[0]
+    # Unused slots get distinct negative ids: they match nothing.
+    ids = jnp.where(at < t, flat[jnp.clip(at, 0, t - 1)], -1 - jnp.arange(k, dtype=_I32))
+    same = (ids[:, None] == ids[None, :]) & ~jnp.eye(k, dtype=jnp.bool_)
+    return (jnp.sum(suspect, dtype=_I32) > k) | jnp.any(same)
 
 
 def _plan_unique(layout: PoolLayout, flat, group, old):

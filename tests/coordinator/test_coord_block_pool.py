@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from coordinator_cases import PLAN
 
-from flatkv_jax import ServingLimits, plan_with_pages
+from flatkv_jax import ServingLimits, block_pool, plan_with_pages
 from flatkv_jax.block_pool import (
     PoolLayout,
     allocate,
@@ -162,5 +162,28 @@ def test_decref_left_with_held_sorts_only_for_pages_listed_twice():
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
         for g in range(2):
             assert sorted(_free(a[0], LAYOUT, g)) == sorted(_free(b[0], LAYOUT, g))
+        # Exact: pages shared with another holder but listed once do not count.
         assert bool(a[3]) == twice, trial
-        assert bool(b[3])  # without held, every indexed page looks shared
+        assert bool(b[3]) == twice, trial
+
+
+def test_listed_twice_compares_suspects_pairwise_and_falls_back_beyond_the_bound():
+    """``_listed_twice`` (decref's sort test) is True exactly when two suspect listings name
+    one page, and True (the sorted path) when there are more than ``SUSPECTS`` suspects."""
+    rng = np.random.default_rng(11)
+    f = jax.jit(block_pool._listed_twice)
+    for trial in range(60):
+        t = int(rng.choice([8, 64, 300]))
+        flat = rng.integers(-1, 4 * t, size=t).astype(np.int32)
+        suspect = (flat >= 0) & (rng.random(t) < rng.choice([0.05, 0.3, 1.0]))
+        if trial % 3 == 0 and suspect.sum() >= 2:  # force a suspect repeated
+            i, j = np.flatnonzero(suspect)[:2]
+            flat[j] = flat[i]
+        ids = flat[suspect]
+        want = len(set(ids.tolist())) < len(ids) or suspect.sum() > block_pool.SUSPECTS
+        got = bool(f(jnp.asarray(flat), jnp.asarray(suspect)))
+        assert got == want, (trial, t, int(suspect.sum()))
+    # A repeat among non-suspects is not looked for: only suspects can repeat (decref's rule).
+    flat = jnp.asarray([3, 3, 5], jnp.int32)
+    assert not bool(f(flat, jnp.asarray([False, False, True])))
+    assert bool(f(flat, jnp.asarray([True, True, False])))
