@@ -209,6 +209,42 @@ def test_units_agree_and_incremental_extension_matches_bulk(rng):
     assert start == n
 
 
+def test_one_token_steps_across_chain_blocks_match_the_bulk_chain(rng):
+    """Width-1 extension (a decode step: one finishing mix gives both the token's lanes and,
+    when the token completes a chain block, the next chain key) walks positions 120 -> 264,
+    across two chain-block ends, and agrees with ``chain_lanes`` at every position; a row
+    with ``count = 0`` keeps its state."""
+    n = 300
+    t = rng.integers(0, 50_000, size=(2, n)).astype(np.int32)
+    lengths = jnp.full((2,), n, jnp.int32)
+    ns = jnp.asarray([[3, 0], [9, 1]], jnp.uint32)
+    ph = chain_lanes(jnp.asarray(t), lengths, ns, seed=SEED, unit=1)
+    bulk = np.asarray(ph.lanes)
+    start = 120
+    state = K.chain_state(ph, jnp.full((2,), start, jnp.int32))
+    for p in range(start, 264):
+        idle = p % 7 == 0  # row 1 skips some steps (count 0) and catches up with the next
+        count = jnp.asarray([1, 0 if idle else 1], jnp.int32)
+        starts = jnp.asarray([p, p], jnp.int32)
+        toks = jnp.asarray(t[:, p : p + 1])
+        before = np.asarray(state)
+        lanes, state = extend_chain(state, toks, starts, count, ns, seed=SEED)
+        np.testing.assert_array_equal(np.asarray(lanes)[0, 0], bulk[0, p])
+        want = np.asarray(K.chain_state(ph, jnp.full((2,), p + 1, jnp.int32)))
+        np.testing.assert_array_equal(np.asarray(state)[0], want[0])
+        if idle:
+            np.testing.assert_array_equal(np.asarray(state)[1], before[1])
+            # Catch row 1 up with the skipped token (start p, count 1) in a second call.
+            lanes1, s1 = extend_chain(
+                state, toks, starts, jnp.asarray([0, 1], jnp.int32), ns, seed=SEED
+            )
+            state = jnp.asarray(np.stack([np.asarray(state)[0], np.asarray(s1)[1]]))
+            np.testing.assert_array_equal(np.asarray(lanes1)[1, 0], bulk[1, p])
+        else:
+            np.testing.assert_array_equal(np.asarray(lanes)[1, 0], bulk[1, p])
+        np.testing.assert_array_equal(np.asarray(state)[1], want[1])
+
+
 def test_no_collisions_among_many_keys():
     # 256 prompts x 512 blocks = 131k keys of prompts sharing prefixes in a tree: no two
     # distinct prefixes share even the first 64 hash bits (the 128-bit keys never will).
