@@ -79,11 +79,13 @@ def test_batch_rules_are_exact_on_every_path(n):
         assert np.asarray(fns[0](cols, v)).tolist() == first, repeats
         assert np.asarray(fns[1](cols, v)).tolist() == idx, repeats
         assert np.asarray(fns[2](cols, v)).tolist() == last, repeats
-        # rank_within on one column (a bucket), few buckets: many rows share one.
-        bucket = rng.integers(0, max(1, n // 4), n).astype(np.int32)
-        _, _, _, rk = _scan((bucket,), valid)
-        got = np.asarray(rank(jnp.asarray(bucket), v))
-        assert all(r is None or int(g) == r for g, r in zip(got, rk, strict=True)), repeats
+        # rank_within on one column (a bucket): few buckets (many rows share one) and many
+        # (rows rarely share one), so a rank is checked both in crowded and sparse buckets.
+        for span in (max(1, n // 4), 64 * n):
+            bucket = rng.integers(0, span, n).astype(np.int32)
+            _, _, _, rk = _scan((bucket,), valid)
+            got = np.asarray(rank(jnp.asarray(bucket), v))
+            assert all(r is None or int(g) == r for g, r in zip(got, rk, strict=True)), span
 
 
 def test_hashed_path_is_taken_and_the_sort_only_beyond_the_suspect_bound(monkeypatch):
