@@ -15,7 +15,10 @@ prints the same columns:
   (match the prompts against the index, allocate) and retires the prefill (publishing the
   prompt's blocks); the call's time divided by the requests it admitted, median over
   admissions. Compare with the peer's ``admit + hash_admit``.
-- ``hit``: prefix hit tokens / prompt tokens over admissions.
+- ``hit``: prefix hit tokens / prompt tokens over admissions; ``hit ceiling`` is what an
+  unbounded cache would give in the same admission order (the longest granule prefix each
+  prompt shares with an earlier one): the gap is hits lost to eviction, with the count of
+  admissions that hit less than their ceiling.
 - ``peak``: per pool, the most pages held by requests (cached-only pages count as free, as
   in vLLM's usage metric) / usable pages.
 
@@ -150,6 +153,27 @@ def row_bucket(n: int, cap: int) -> int:
     while r < n:
         r *= 2
     return min(r, max(cap, n))
+
+
+def hit_ceilings(prompts, granularity: int) -> list[int]:
+    """Per prompt, in admission order, the hit an unbounded cache would give: the longest
+    prefix, in whole ``granularity``-token granules, that it shares with an earlier prompt,
+    leaving at least its last token to compute. A hit below its ceiling means the blocks it
+    needed were evicted (or were not yet published when it was admitted)."""
+    seen: set[int] = set()
+    out = []
+    for p in prompts:
+        full = (len(p) - 1) // granularity
+        h, shared, alive = 0, 0, True
+        for k in range(full):
+            h = hash((h, tuple(p[k * granularity : (k + 1) * granularity])))
+            if alive and h in seen:
+                shared = k + 1
+            else:
+                alive = False
+            seen.add(h)
+        out.append(shared * granularity)
+    return out
 
 
 def oracle_plan(plan):
@@ -344,6 +368,14 @@ class Run:
         running: dict[int, list] = {}  # rid -> [slot, gen, next position, outputs, dlen]
         dec_us, adm_us, free_us = [], [], []
         hits = prompt_tokens = 0
+        ceiling = dict(
+            zip(
+                (int(rid[4:]) for rid, _, _ in self.trace),
+                hit_ceilings([p for _, p, _ in self.trace], self.gran),
+                strict=True,
+            )
+        )
+        ceiling_tokens = short = 0
         peak = np.zeros(len(self.plan.groups), np.int64)
         steps = 0
         i32 = np.int32
@@ -417,6 +449,8 @@ class Run:
                     running[rid] = [int(slot[j]), int(gen[j]), len(p), 1, dlen]
                     hits += int(hit[j])
                     prompt_tokens += len(p)
+                    ceiling_tokens += ceiling[rid]
+                    short += int(hit[j]) < ceiling[rid]
                     budget -= len(p) - int(hit[j])
                 if dt is not None and n_ok:
                     adm_us.extend([dt / n_ok * 1e6] * n_ok)
@@ -451,6 +485,8 @@ class Run:
             "admit_us": statistics.median(adm_us) if adm_us else float("nan"),
             "free_us": statistics.median(free_us) if free_us else float("nan"),
             "hit_rate": hits / max(1, prompt_tokens),
+            "hit_ceiling": ceiling_tokens / max(1, prompt_tokens),
+            "short_hits": short,
             "peak": [int(x) for x in peak],
             "usable": usable,
             "steps": steps,
@@ -577,7 +613,9 @@ def main():
             f"flatkv B={batch:4d} N={n:5d} groups={len(agg['peak'])} "
             f"decode={agg['decode_us']:7.2f}us admit(+hash)={agg['admit_us']:8.1f}us "
             f"free={agg['free_us']:7.1f}us hit={agg['hit_rate'] * 100:5.1f}% "
-            f"steps={agg['steps']} peak {peak}",
+            f"steps={agg['steps']} peak {peak}\n"
+            f"hit ceiling {agg['hit_ceiling'] * 100:.1f}% (an unbounded cache, same order): "
+            f"{agg['short_hits']} admissions hit less than an earlier prompt shares",
             flush=True,
         )
         if batch in peer:

@@ -50,3 +50,17 @@ def test_oracle_plan_keeps_the_page_geometry(vs):
         )
         assert plan.pages(a) == small.pages(b)
         assert len(b.layers) == 1 and b.fields[0].format.shape == (1,)
+
+
+def test_hit_ceilings_count_whole_granules_shared_with_an_earlier_prompt(vs):
+    a = [1, 2, 3, 4, 5, 6, 7]
+    prompts = [
+        a,  # first: nothing earlier
+        [*a[:4], 9, 9, 9],  # shares 2 granules of 2 with a
+        [*a[:2], 8, 8],  # shares 1; its second granule differs
+        a[:5],  # shares 2 whole granules: its 5th token stays to compute
+        a[:4],  # shares 2, but at least its last token is computed: 1 granule
+        [0, *a[1:]],  # differs in the first token: nothing
+    ]
+    assert vs.hit_ceilings(prompts, 2) == [0, 4, 2, 4, 2, 0]
+    assert vs.hit_ceilings(prompts, 4) == [0, 4, 0, 4, 0, 0]
