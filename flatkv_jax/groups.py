@@ -90,6 +90,14 @@ class GroupSpec:
       verify_width: the speculative verify width the recipe sized this group for (e.g. a
         compressor state's window), or ``None`` if the group does not depend on it. A
         :class:`~flatkv_jax.plan.CachePlan` refuses limits with another ``verify_width``.
+      period: for ``WINDOW`` groups whose consumer restarts at fixed boundaries (a
+        compressor's state: a new compressed row begins at every multiple of its ratio), the
+        boundary spacing in tokens; ``None`` for a plain sliding window. Only prefix hits use
+        it: they land on multiples of ``period`` (the plan's granularity is a multiple of it),
+        where the tokens after the boundary read no further back than ``carry``.
+      carry: with ``period``, the tokens before a boundary still read after it (an overlapping
+        compressor's previous window: ``ratio``; ``0`` without overlap). ``period + carry``
+        must fit the window.
     """
 
     name: str
@@ -101,6 +109,8 @@ class GroupSpec:
     window: int | None = None
     owner: Owner = Owner.TARGET
     verify_width: int | None = None
+    period: int | None = None
+    carry: int = 0
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -187,6 +197,32 @@ class GroupSpec:
                 f"history group {self.name!r} keeps everything and takes no window",
                 "pass window=None",
             )
+        if self.period is None:
+            if self.carry != 0:
+                fail(
+                    "carry",
+                    self.carry,
+                    f"group {self.name!r}: carry is the reach behind a period boundary and needs a period",
+                    "pass period=... or leave carry at 0",
+                )
+            return
+        if not self.is_window:
+            fail(
+                "period",
+                self.period,
+                f"history group {self.name!r} keeps everything: a period only narrows what a window group's prefix hit needs",
+                "pass period=None",
+            )
+        check_positive_int("period", self.period)
+        check_nonnegative_int("carry", self.carry)
+        if self.period + self.carry > self.window:
+            fail(
+                "period",
+                self.period,
+                f"group {self.name!r}: the token that ends a period reads the period and the carry "
+                f"({self.period} + {self.carry} tokens), more than its window of {self.window}",
+                f"use a window of at least {self.period + self.carry}, or a smaller period or carry",
+            )
 
     @property
     def block_tokens(self) -> int:
@@ -246,6 +282,18 @@ class GroupSpec:
             )
         return blocks_for_span(self.window - 1 + step_tokens, self.block_tokens)
 
+    @property
+    def hit_reach(self) -> int:
+        """Tokens behind a prefix-hit boundary that the tokens after it still read (window
+        groups): ``window - 1`` for a sliding window, ``min(carry, window - 1)`` for a group
+        with a ``period`` (hits land on its multiples). A hit at ``h`` needs the blocks holding
+        positions ``[h - hit_reach, h)``. ``0`` for history groups (they need every block)."""
+        if not self.is_window:
+            return 0
+        if self.period is None:
+            return self.window - 1
+        return min(self.carry, self.window - 1)
+
     def bytes_per_token(self) -> float:
         """History bytes one raw token costs (0 for window groups, whose cost is per request)."""
         return 0.0 if self.is_window else self.page_bytes / self.block_tokens
@@ -257,5 +305,6 @@ class GroupSpec:
 
 
 def lcm_block_tokens(groups: tuple[GroupSpec, ...]) -> int:
-    """The least common multiple of the groups' block spans (the prefix granularity)."""
-    return math.lcm(*(g.block_tokens for g in groups))
+    """The least common multiple of the groups' block spans and periods (the prefix
+    granularity: a hit shares whole pages and lands on every group's period boundaries)."""
+    return math.lcm(*(g.block_tokens for g in groups), *(g.period or 1 for g in groups))

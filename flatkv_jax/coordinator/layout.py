@@ -40,6 +40,8 @@ class StateLayout:
       tokens_per_row: per group, raw tokens per row (1 for raw rows).
       is_window: per group, whether it keeps only a window.
       window: per group, its window in tokens (0 for history groups).
+      hit_reach: per group, :attr:`~flatkv_jax.groups.GroupSpec.hit_reach` (tokens behind a
+        prefix-hit boundary still read; 0 for history groups).
       table_size: entries of the flat ``table_buffer`` (every group's table).
     """
 
@@ -53,6 +55,7 @@ class StateLayout:
     tokens_per_row: tuple[int, ...] = ()
     is_window: tuple[bool, ...] = ()
     window: tuple[int, ...] = ()
+    hit_reach: tuple[int, ...] = ()
     table_size: int = 0
 
 
@@ -79,6 +82,7 @@ def state_layout(plan: CachePlan) -> StateLayout:
         tokens_per_row=tuple(g.tokens_per_row for g in plan.groups),
         is_window=tuple(g.is_window for g in plan.groups),
         window=tuple(g.window or 0 for g in plan.groups),
+        hit_reach=tuple(g.hit_reach for g in plan.groups),
         table_size=sum(sizes),
     )
 

@@ -232,17 +232,18 @@ class _Blocks(NamedTuple):
     namespace: jax.Array  # the row's namespace, one per block
 
 
-def hit_run_start(block_tokens: int, window: int, granularity: int, ends):
+def hit_run_start(block_tokens: int, reach: int, granularity: int, ends):
     """For a window group's block ending at ``ends``: the first block of the trailing run of
     the nearest hit boundary at or after it (``h``, the next multiple of ``granularity``).
 
-    A match at ``h`` needs the blocks ``[max(0, (h - W + 1) // B), h / B)``; later
-    boundaries start their runs later still, so a block below this start is in no run and
-    no admission can ever read it from the index: it is not published (its page is freed,
-    not cached, when the request lets it go).
+    A match at ``h`` needs the blocks ``[max(0, (h - reach) // B), h / B)`` (``reach``: the
+    group's :attr:`~flatkv_jax.groups.GroupSpec.hit_reach`, ``W - 1`` for a sliding window);
+    later boundaries start their runs later still, so a block below this start is in no run
+    and no admission can ever read it from the index: it is not published (its page is
+    freed, not cached, when the request lets it go).
     """
     h = (ends + granularity - 1) // granularity * granularity
-    run = (h - window + 1) // block_tokens
+    run = (h - reach) // block_tokens
     return jnp.maximum(run, 0)
 
 
@@ -270,7 +271,7 @@ def _completed_blocks(
     slot = jnp.clip(ends // bt - 1, 0, w - 1)
     if lay.is_window[g]:
         ok = ok & (
-            ends // bt - 1 >= hit_run_start(bt, lay.window[g], plan.prefix_granularity, ends)
+            ends // bt - 1 >= hit_run_start(bt, lay.hit_reach[g], plan.prefix_granularity, ends)
         )
     tidx = lay.table_offset[g] + s[:, None] * w + slot
     entry = state.table_buffer[tidx]

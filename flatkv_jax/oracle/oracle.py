@@ -211,11 +211,12 @@ class RadixOracle:
     def _run_start(g, h: int) -> int:
         """First block a hit at ``h`` needs: 0 for history, the trailing run for windows.
 
-        The first position the new request computes is ``h``; its window reaches back to
-        ``h - W + 1``, so the run starts at the block holding that position — exactly the
-        blocks a request with ``c = h`` keeps after reclaim (docs/semantics.md).
+        The first position the new request computes is ``h``; what it and later positions
+        read reaches back to ``h - hit_reach`` (``h - W + 1`` for a sliding window: exactly the
+        blocks a request with ``c = h`` keeps after reclaim, docs/semantics.md; a group with a
+        period reads less behind its boundaries), so the run starts at the block holding it.
         """
-        return max(0, (h - g.window + 1) // g.block_tokens) if g.is_window else 0
+        return max(0, (h - g.hit_reach) // g.block_tokens) if g.is_window else 0
 
     def _hit_readable(self, gi: int, i: int) -> bool:
         """Whether some admission could read block ``i`` of group ``gi`` from the index: a
@@ -228,7 +229,8 @@ class RadixOracle:
         if key not in self._readable:
             gran, b = self.plan.prefix_granularity, g.block_tokens
             # A boundary h needs (i + 1) * b <= h, and its run starts at or below i only
-            # while h - W + 1 <= (i + 1) * b; try every multiple of gran up to there.
+            # while h - hit_reach <= (i + 1) * b (hit_reach < W); try every multiple of gran
+            # up to there.
             top = (i + 1) * b + g.window + gran
             self._readable[key] = any(
                 self._run_start(g, h) <= i < h // b for h in range(gran, top, gran)

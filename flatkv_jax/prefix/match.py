@@ -6,11 +6,13 @@ length: positions ``[0, b)`` come from the cache and the request computes from `
 - a **history** group with block span ``B`` serves ``b`` iff its blocks ``0 .. b/B - 1`` all hit
   (blocks match left to right until the first miss);
 - a **window** group with window ``W`` serves ``b`` iff the blocks holding positions
-  ``[b - W + 1, b)`` all hit: blocks ``i`` with ``(i + 1) * B > b - W + 1`` and ``i * B < b``,
-  i.e. ``i in [max(0, (b - W + 1) // B), b / B)`` — exactly the blocks docs/semantics.md says a
-  request with committed length ``b`` holds after reclaim (the window of position ``b``, the
-  first position the request will compute, reaches back to ``b - W + 1``). That is at most
-  ``need = ceil((W - 1) / B)`` blocks; older blocks become holes (page 0);
+  ``[b - R, b)`` all hit, ``R = hit_reach`` (``W - 1`` for a sliding window): blocks ``i``
+  with ``(i + 1) * B > b - R`` and ``i * B < b``, i.e. ``i in [max(0, (b - R) // B), b / B)``
+  — for a sliding window exactly the blocks docs/semantics.md says a request with committed
+  length ``b`` holds after reclaim (the window of position ``b``, the first position the
+  request will compute, reaches back to ``b - W + 1``); a group with a ``period`` (a
+  compressor's state) reads back only its ``carry`` from a boundary. That is at most
+  ``need = ceil(R / B)`` blocks (possibly 0); older blocks become holes (page 0);
 - the hit ``h`` is the largest ``b`` that is a positive multiple of the prefix granularity
   ``G``, ``b <= prompt_len - 1`` (the last prompt token is always recomputed, so the request
   produces logits), and that every group serves; 0 if none.
@@ -47,7 +49,8 @@ class GroupMatch:
       block_tokens: the group's block span ``B``.
       window: ``W`` for window groups, ``None`` for history groups.
       slots: table slots a hit can fill, ``max_len // B``.
-      need: window groups: blocks behind a boundary that must hit, ``ceil((W - 1) / B)``.
+      need: window groups: blocks behind a boundary that must hit, ``ceil(hit_reach / B)``
+        (``ceil((W - 1) / B)`` for a sliding window; 0 for a state with no carry).
     """
 
     block_tokens: int
@@ -103,7 +106,7 @@ class MatchLayout:
         if granularity is None:
             granularity = plan.prefix_granularity
         check_positive_int("granularity", granularity)
-        spans = [g.block_tokens for g in plan.groups]
+        spans = [g.block_tokens for g in plan.groups] + [g.period or 1 for g in plan.groups]
         bad = [g.name for g in plan.groups if granularity % g.block_tokens]
         if bad:
             fail(
@@ -112,12 +115,20 @@ class MatchLayout:
                 f"hits share whole pages, so the granularity must be a multiple of every block span (groups {bad} do not divide it)",
                 f"use a multiple of {math.lcm(*spans)}",
             )
+        bad = [g.name for g in plan.groups if g.period and granularity % g.period]
+        if bad:
+            fail(
+                "granularity",
+                granularity,
+                f"hits must land on period boundaries, where a group with a period needs only its carry (groups {bad} have periods that do not divide it)",
+                f"use a multiple of {math.lcm(*spans)}",
+            )
         groups = tuple(
             GroupMatch(
                 block_tokens=g.block_tokens,
                 window=g.window if g.is_window else None,
                 slots=max_len // g.block_tokens,
-                need=-(-(g.window - 1) // g.block_tokens) if g.is_window else 0,
+                need=-(-g.hit_reach // g.block_tokens) if g.is_window else 0,
             )
             for g in plan.groups
         )
@@ -280,6 +291,13 @@ def match_prompts(
             hist.append(history_run(pages))
             win.append(None)
             rows.append(pages)
+            continue
+        if not gm.need:
+            # Nothing behind a boundary is read (a state with no carry): every candidate is
+            # served, and the hit's columns are all holes.
+            win.append(jnp.ones((bsz, layout.candidates), bool))
+            hist.append(None)
+            rows.append(jnp.zeros((bsz, layout.candidates, 0), jnp.int32))
             continue
         ends, blocks, direct = _window_ends(layout, gm)
         looked = look(idx, ends)

@@ -19,7 +19,10 @@ group                     retention  rows/page x tokens/row            layers
 
 The ratio-4 compressor state window is ``max(2 * 4, 4 + verify_width)`` (overlap keeps two
 windows, and a verify block must fit), rounded up to whole pages; the ratio-r state window
-for r > 4 is ``r``, also covering the verify block.
+for r > 4 is ``r``, also covering the verify block. A compressed row begins at every multiple
+of its ratio, so the state groups have ``period = ratio`` and ``carry`` = the overlap (4 for
+CSA, 0 for HCA): a prefix hit (a multiple of 128) needs one 4-token block of ratio-4 state and
+no ratio-128 state (``GroupSpec.hit_reach``).
 """
 
 from __future__ import annotations
@@ -275,11 +278,15 @@ def deepseek_v4_groups(cfg: DeepSeekV4Config, *, verify_width: int = 0) -> tuple
             rows, state_rows = cfg.c128_rows, cfg.state128_rows
         groups.append(GroupSpec(f"{tag}_kv", Retention.HISTORY, rows, ratio, layers, fields))
         win = state_window(cfg, ratio, verify_width, state_rows)
+        # A compressed row begins at every multiple of the ratio: after such a boundary the
+        # state is read back only as far as the overlap (the CSA compressor's previous
+        # window), so a prefix hit there needs only that much state (period / carry).
+        carry = ratio if csa else 0
         groups.append(
             GroupSpec(
                 f"{tag}_state", Retention.WINDOW, state_rows, 1, layers,
                 (FieldSpec("state", formats.compressor_state(cfg.head_dim, overlap=csa)),), window=win,
-                verify_width=verify_width,
+                verify_width=verify_width, period=ratio, carry=carry,
             )
         )  # fmt: skip
         if csa:
@@ -287,7 +294,7 @@ def deepseek_v4_groups(cfg: DeepSeekV4Config, *, verify_width: int = 0) -> tuple
                 GroupSpec(
                     f"{tag}_index_state", Retention.WINDOW, state_rows, 1, layers,
                     (FieldSpec("state", formats.compressor_state(cfg.index_head_dim, overlap=True)),), window=win,
-                    verify_width=verify_width,
+                    verify_width=verify_width, period=ratio, carry=ratio,
                 )
             )  # fmt: skip
     return tuple(groups)

@@ -161,13 +161,17 @@ def test_a_window_groups_trailing_run_decides_the_boundary():
     d.reclaim(h)  # window slots behind the window become holes (their pages stay cached)
     d.release((h, FINISH))
     assert d.hit(toks) == 48
-    # The hit's c16_state row (W = 20, B = 4): blocks 7..11 hold positions 29..47, the
-    # window of position 48; older slots are holes even though their pages are cached.
-    g = PLAN.group_index("c16_state")
+    # The hit's swa_kv row (W = 8, B = 4): blocks 10..11 hold positions 41..47, the window
+    # of position 48; older slots are holes even though their pages are cached. c4_state
+    # (period 4, carry 4) takes only block 11; c16_state (period 16, no carry) nothing.
     res = d.admit_tokens(toks, first_chunk=0)
     h2 = host.handles(res, 1)[0]
-    row = np.asarray(d.state.tables[g][h2[0]])
-    assert row[:7].tolist() == [0] * 7 and np.all(row[7:12] >= 1) and row[12] == -1
+    for name, first in (("swa_kv", 10), ("c4_state", 11), ("c16_state", 12)):
+        row = np.asarray(d.state.tables[PLAN.group_index(name)][h2[0]])
+        assert row[:first].tolist() == [0] * first, name
+        assert np.all(row[first:12] >= 1) and row[12] == -1, name
+    # Nothing of c16_state was published: no admission can read it from the index.
+    assert int(d.state.indexes[PLAN.group_index("c16_state")].count) == 0
     d.release((h2, ABORT))
 
 
@@ -196,9 +200,11 @@ def test_failed_admission_touches_nothing_not_even_lru_order():
     d = PrefixDriver(plan)
     toks = list(range(1, 34))
     d.release((d.prefill(toks)[0], FINISH))
-    hog = d.new(16)
-    d.retire((hog, 16))
+    for _ in range(2):  # the hogs hold every swa_kv page but the cached ones
+        hog = d.new(16)
+        d.retire((hog, 16))
     before = snapshot(d.state)
+    assert d.counts()["swa_kv"].free == 0 and d.counts()["swa_kv"].cached_only == 4
     # A hit plus more pages than exist: OUT_OF_PAGES, and nothing changes (pins included).
     batch = host.admit_batch(plan, [(64, 16), (33, 16)], tokens=[list(range(1, 65)), toks])
     d.state, res = ops.admit(plan, d.state, batch)
@@ -301,7 +307,7 @@ def test_retire_max_count_bounds_accepted_and_publishes_the_same():
     dec = d.plan.limits.decode_tokens
     published = sum(int(ix.count) for ix in d.state.indexes)
     for drv, hh, kw in ((d, h, {"max_count": dec}), (other, h2, {})):
-        for i in range(4):
+        for i in range(8):  # commits up to 48: blocks ending at 44 and 48 are in a hit run
             drv._run(ops.retire, host.retire_batch(drv.plan, [(hh, 2)]), **kw)
             drv.step(hh, [9 + i, 10 + i])
     assert_same(snapshot(d.state.indexes), snapshot(other.state.indexes))
@@ -322,12 +328,14 @@ def test_a_block_computed_twice_shares_the_indexed_page_and_frees_the_copy():
     d.retire((b, 16))
     # B's committed blocks now point at A's (indexed) pages; B's copies went back free.
     pb = d.pages_of(b)
-    for g in ("c4_kv", "c16_kv", "c16_state"):
+    for g in ("c4_kv", "c16_kv"):
         assert pb[g] == pa[g], g
     # Window 8: only blocks 2-3 (the 16-token boundary's trailing run) are published and
-    # shared; blocks 0-1 stay the request's own, unpublished pages.
-    for g in ("swa_kv", "c4_state"):
-        assert pb[g][2:] == pa[g][2:] and not set(pb[g][:2]) & set(pa[g][:2]), g
+    # shared; blocks 0-1 stay the request's own, unpublished pages. c4_state (period 4,
+    # carry 4) publishes block 3 only, c16_state (period 16, no carry) nothing.
+    for g, run in (("swa_kv", 2), ("c4_state", 3), ("c16_state", 4)):
+        assert pb[g][run:] == pa[g][run:], g
+        assert not set(pb[g][:run]) & set(pa[g][:run]), g
     assert d.held("c4_kv") == 1
     page = pa["c4_kv"][0]
     off = d.plan.group_index("c4_kv")
@@ -343,9 +351,12 @@ def test_a_prefix_evicted_in_one_group_is_recomputed_and_shared_in_the_others():
     d = PrefixDriver(plan)
     toks = [*SYS[:16], 1]
     d.release((d.prefill(toks)[0], FINISH))
-    # Window groups publish only the trailing run of the 16-token boundary: for c4_state
-    # (4-token blocks, window 8) blocks 2 and 3; blocks 0 and 1 went back free.
-    assert d.counts()["c4_state"].cached_only == 2 and d.counts()["c4_kv"].cached_only == 1
+    # Window groups publish only the trailing run of the 16-token boundary: for swa_kv
+    # (4-token blocks, window 8) blocks 2 and 3, for c4_state (period 4, carry 4) block 3;
+    # the others went back free.
+    counts = d.counts()
+    assert counts["swa_kv"].cached_only == 2 and counts["c4_state"].cached_only == 1
+    assert counts["c4_kv"].cached_only == 1
     assert d.hit(toks) == 16
     # Token-less requests take every c4_state page: the prefix's state pages are evicted, its
     # c4_kv page stays indexed (3 of 12 pages taken), so the prefix no longer hits.

@@ -360,8 +360,9 @@ PREFIXES = (
 )
 
 
-#: History pools tighter still: cached blocks are evicted while others are pinned by hits.
-PPLAN = make_plan(10, c4_kv=5, c16_kv=5)
+#: History and SWA pools at their minimum: cached blocks are evicted while others are pinned
+#: by hits (the compressor states cache little: a hit needs only their carry).
+PPLAN = make_plan(10, c4_kv=5, c16_kv=5, swa_kv=7, mtp_swa_kv=7)
 
 
 def decode_token(pos: int) -> int:

@@ -18,6 +18,7 @@ from flatkv_jax.recipes import (
     hybrid_swa_groups,
     mla_groups,
     tiny_v4,
+    v4_flash,
 )
 
 LIMITS = ServingLimits(max_requests=4, max_context=256, chunk_tokens=32)
@@ -94,6 +95,26 @@ def test_recipes_do_not_share_core_branches():
     )
     plan = plan_with_pages((g,), LIMITS, 64)
     assert plan.prefix_granularity == 4
+    assert g.hit_reach == 7  # a sliding window: the first computed token reads 7 back
+
+
+def test_a_period_narrows_the_hit_reach_and_joins_the_granularity():
+    """A window group with a period (a compressor's state) needs only its carry behind a hit
+    boundary, and hits land on its period boundaries: the granularity is a multiple of it."""
+    field = (FieldSpec("x", formats.plain(8, "float32")),)
+    st = GroupSpec("st", Retention.WINDOW, 4, 1, (0,), field, window=12, period=8, carry=4)
+    bare = GroupSpec("st", Retention.WINDOW, 4, 1, (0,), field, window=12, period=8)
+    assert (st.hit_reach, bare.hit_reach) == (4, 0)
+    assert plan_with_pages((st,), LIMITS, 64).prefix_granularity == 8  # 4-token pages, period 8
+    groups = deepseek_v4_groups(v4_flash(), verify_width=0)
+    reach = {g.name: (g.period, g.carry, g.hit_reach) for g in groups if g.is_window}
+    assert reach == {
+        "swa_kv": (None, 0, 127),
+        "mtp_swa_kv": (None, 0, 127),
+        "c4_state": (4, 4, 4),
+        "c4_index_state": (4, 4, 4),
+        "c128_state": (128, 0, 0),
+    }
 
 
 @pytest.mark.parametrize(
@@ -117,6 +138,16 @@ def test_recipes_do_not_share_core_branches():
          r"retention='history' is invalid: it must be a Retention"),
         (lambda: GroupSpec("my-group", Retention.HISTORY, 4, 1, (0,), (FieldSpec("kv", formats.plain(8)),)), ValueError,
          r"group name='my-group' is invalid: a group name must be a Python identifier"),
+        (lambda: GroupSpec("st", Retention.WINDOW, 4, 1, (0,), (FieldSpec("kv", formats.plain(8)),), window=8, carry=4), ValueError,
+         r"carry=4 is invalid: group 'st': carry is the reach behind a period boundary and needs a period. Fix: pass period="),
+        (lambda: GroupSpec("h", Retention.HISTORY, 4, 1, (0,), (FieldSpec("kv", formats.plain(8)),), period=4), ValueError,
+         r"period=4 is invalid: history group 'h' keeps everything: a period only narrows what a window group's prefix hit needs"),
+        (lambda: GroupSpec("st", Retention.WINDOW, 4, 1, (0,), (FieldSpec("kv", formats.plain(8)),), window=8, period=0), ValueError,
+         r"period=0 is invalid: it must be positive"),
+        (lambda: GroupSpec("st", Retention.WINDOW, 4, 1, (0,), (FieldSpec("kv", formats.plain(8)),), window=8, period=4, carry=-1), ValueError,
+         r"carry=-1 is invalid: it must be >= 0"),
+        (lambda: GroupSpec("st", Retention.WINDOW, 4, 1, (0,), (FieldSpec("kv", formats.plain(8)),), window=8, period=8, carry=4), ValueError,
+         r"period=8 is invalid: group 'st': the token that ends a period reads the period and the carry \(8 \+ 4 tokens\), more than its window of 8. Fix: use a window of at least 12"),
         (lambda: FieldSpec("kv", "fp8"), TypeError, r"format='fp8' is invalid: a field needs a RowFormat"),
         (lambda: tiny_v4(window=6, rows_per_page=4) and deepseek_v4_groups(tiny_v4(window=6, rows_per_page=4)), ValueError,
          r"window=6 is invalid: the sliding window must be covered by whole SWA pages of 4 tokens"),

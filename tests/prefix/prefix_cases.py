@@ -23,6 +23,13 @@ SEED = 7
 _insert = jax.jit(index_lib.insert)
 
 
+def reach(g) -> int:
+    """Tokens behind a hit boundary a window group still needs (independent of
+    ``GroupSpec.hit_reach``): the window behind the first computed position, or, for a group
+    with a period (hits land on its boundaries), only its carry."""
+    return g.window - 1 if g.period is None else min(g.carry, g.window - 1)
+
+
 def examples(n: int) -> int:
     """Hypothesis examples per test: ``n`` in CI, ``$FLATKV_PREFIX_EXAMPLES`` for long runs."""
     return int(os.environ.get("FLATKV_PREFIX_EXAMPLES", n))
@@ -75,7 +82,7 @@ def ref_match(plan, granularity, length, cached):
         for gi, g in enumerate(plan.groups):
             bt = g.block_tokens
             if g.is_window:
-                lo = max(0, (b - g.window + 1) // bt)
+                lo = max(0, (b - reach(g)) // bt)
                 need = range(lo, b // bt)
             else:
                 need = range(b // bt)
@@ -92,7 +99,7 @@ def ref_rows(plan, hit, pages, slots):
         bt = g.block_tokens
         row = np.full(slots[gi], -1, np.int32)
         n = hit // bt
-        lo = max(0, (hit - g.window + 1) // bt) if g.is_window else 0
+        lo = max(0, (hit - reach(g)) // bt) if g.is_window else 0
         for i in range(n):
             row[i] = pages[gi][i] if i >= lo else 0
         rows.append(row)

@@ -101,24 +101,52 @@ def test_window_trailing_run_decides_the_boundary():
     plan = tiny_plan()
     rng = np.random.default_rng(1)
     p = rng.integers(0, 1000, 90).astype(np.int32)
-    # History everywhere; c16_state (B=4, W=20) keeps only blocks 7..11 (positions 28..47):
-    # boundary 48 needs blocks (48-19)//4 = 7 .. 11 -> served; 64 would need 11..15 -> not.
-    # The other window groups publish blocks whose windows serve every boundary.
+    # History everywhere; swa_kv (B=4, W=8, a sliding window) keeps only blocks 10..11
+    # (positions 40..47): boundary 48 needs blocks (48-7)//4 = 10 .. 11 -> served; 64 would
+    # need 14..15 -> not. The other window groups publish every block.
     blocks = _all_blocks(plan, 90)
-    blocks["c16_state"] = [7, 8, 9, 10, 11]
+    blocks["swa_kv"] = [10, 11]
     idx, pages, _ = _setup(plan, blocks, p)
     m, layout = _query(plan, idx, [p, p[:49], p[:48]], [90, 49, 48])
-    # A 48-token prompt can hit at most 32, which needs blocks (32-19)//4 = 3 .. 7: missing.
+    # A 48-token prompt can hit at most 32, which needs blocks (32-7)//4 = 6 .. 7: missing.
     assert m.hit.tolist() == [48, 48, 0]
     rows = ref_rows(plan, 48, pages, [gm.slots for gm in layout.groups])
-    gi = plan.group_index("c16_state")
+    gi = plan.group_index("swa_kv")
     np.testing.assert_array_equal(np.asarray(m.pages[gi])[0], rows[gi])
-    assert np.asarray(m.pages[gi])[0, :12].tolist() == [0] * 7 + [
-        pages[gi][i] for i in range(7, 12)
+    assert np.asarray(m.pages[gi])[0, :12].tolist() == [0] * 10 + [
+        pages[gi][i] for i in range(10, 12)
     ]
-    # Block 7 holds positions 28..31; the window of position 48 reaches back to 29, so
-    # without block 7 the boundary 48 is lost (and 32 and 16 were never served).
-    blocks["c16_state"] = [8, 9, 10, 11]
+    # Block 10 holds positions 40..43; the window of position 48 reaches back to 41, so
+    # without block 10 the boundary 48 is lost (and 32 and 16 were never served).
+    blocks["swa_kv"] = [11]
+    idx, _, _ = _setup(plan, blocks, p)
+    m, _ = _query(plan, idx, [p], [90])
+    assert m.hit.tolist() == [0]
+
+
+def test_a_state_with_a_period_needs_only_its_carry_at_a_boundary():
+    """Compressor states restart at every multiple of their ratio: a hit (a multiple of the
+    granularity, hence of every period) needs only the carry behind it — the ratio-4 state's
+    previous window (one 4-token block), and nothing of the ratio-16 state (no overlap),
+    although their windows are 8 and 20 tokens."""
+    plan = tiny_plan()
+    c4s, c16s = plan.group("c4_state"), plan.group("c16_state")
+    assert (c4s.period, c4s.carry, c4s.window, c4s.hit_reach) == (4, 4, 8, 4)
+    assert (c16s.period, c16s.carry, c16s.window, c16s.hit_reach) == (16, 0, 20, 0)
+    p = np.random.default_rng(7).integers(0, 1000, 90).astype(np.int32)
+    blocks = _all_blocks(plan, 90)
+    blocks["c16_state"] = []  # no ratio-16 state at all
+    blocks["c4_state"] = [11]  # positions 44..47 only
+    idx, pages, _ = _setup(plan, blocks, p)
+    m, layout = _query(plan, idx, [p], [90])
+    assert m.hit.tolist() == [48]  # 64 would need c4_state block 15
+    rows = ref_rows(plan, 48, pages, [gm.slots for gm in layout.groups])
+    for gi in (plan.group_index("c4_state"), plan.group_index("c16_state")):
+        np.testing.assert_array_equal(np.asarray(m.pages[gi])[0], rows[gi])
+    assert np.asarray(m.pages[plan.group_index("c16_state")])[0, :13].tolist() == [0] * 12 + [-1]
+    _check_listed(m, layout)
+    # Without block 11 (the carry: positions 44..47) the boundary 48 is lost.
+    blocks["c4_state"] = [10]
     idx, _, _ = _setup(plan, blocks, p)
     m, _ = _query(plan, idx, [p], [90])
     assert m.hit.tolist() == [0]
