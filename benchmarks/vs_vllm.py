@@ -164,13 +164,13 @@ def hit_ceilings(prompts, granularity: int) -> list[int]:
     out = []
     for p in prompts:
         full = (len(p) - 1) // granularity
-        h, shared, alive = 0, 0, True
+        h, shared = 0, 0
         for k in range(full):
+            # Chained: granule k's hash covers the whole prefix, so it is seen only if every
+            # earlier granule was.
             h = hash((h, tuple(p[k * granularity : (k + 1) * granularity])))
-            if alive and h in seen:
+            if h in seen:
                 shared = k + 1
-            else:
-                alive = False
             seen.add(h)
         out.append(shared * granularity)
     return out

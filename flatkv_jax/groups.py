@@ -197,15 +197,17 @@ class GroupSpec:
                 f"history group {self.name!r} keeps everything and takes no window",
                 "pass window=None",
             )
-        if self.period is None:
-            if self.carry != 0:
-                fail(
-                    "carry",
-                    self.carry,
-                    f"group {self.name!r}: carry is the reach behind a period boundary and needs a period",
-                    "pass period=... or leave carry at 0",
-                )
-            return
+        if self.period is None and self.carry != 0:
+            fail(
+                "carry",
+                self.carry,
+                f"group {self.name!r}: carry is the reach behind a period boundary and needs a period",
+                "pass period=... or leave carry at 0",
+            )
+        if self.period is not None:
+            self._check_period()
+
+    def _check_period(self) -> None:
         if not self.is_window:
             fail(
                 "period",
