@@ -294,7 +294,7 @@ def deepseek_v4_groups(cfg: DeepSeekV4Config, *, verify_width: int = 0) -> tuple
                 GroupSpec(
                     f"{tag}_index_state", Retention.WINDOW, state_rows, 1, layers,
                     (FieldSpec("state", formats.compressor_state(cfg.index_head_dim, overlap=True)),), window=win,
-                    verify_width=verify_width, period=ratio, carry=ratio,
+                    verify_width=verify_width, period=ratio, carry=carry,
                 )
             )  # fmt: skip
     return tuple(groups)

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prefix_cases import SEED, examples, publish, ref_match, ref_rows, tiny_plan
 
-from flatkv_jax import ServingLimits, plan_with_pages
+from flatkv_jax import FieldSpec, GroupSpec, Retention, ServingLimits, formats, plan_with_pages
 from flatkv_jax.prefix import index as I
 from flatkv_jax.prefix import keys as K
 from flatkv_jax.prefix.match import MatchLayout, common_hit, history_run, match_prompts, window_ok
@@ -311,6 +311,18 @@ def test_errors():
         match=r"granularity=8 is invalid: hits share whole pages.*groups \['c4_kv', 'c16_kv'\]",
     ):
         MatchLayout.for_plan(plan, L, granularity=8)
+    # 4-token pages but a period of 8: a granularity of 4 would land hits between boundaries.
+    field = (FieldSpec("x", formats.plain(8, "float32")),)
+    st = GroupSpec("st", Retention.WINDOW, 4, 1, (0,), field, window=12, period=8, carry=4)
+    st_plan = plan_with_pages((st,), ServingLimits(2, 64, 8), 40)
+    assert MatchLayout.for_plan(st_plan, 32).granularity == 8
+    with pytest.raises(
+        ValueError,
+        match=r"granularity=4 is invalid: hits must land on period boundaries, where a group "
+        r"with a period needs only its carry \(groups \['st'\] have periods that do not "
+        r"divide it\). Fix: use a multiple of 8",
+    ):
+        MatchLayout.for_plan(st_plan, 32, granularity=4)
     with pytest.raises(ValueError, match="max_len=0 is invalid"):
         MatchLayout.for_plan(plan, 0)
     with pytest.raises(TypeError, match="it must be a CachePlan"):
