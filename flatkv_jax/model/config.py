@@ -12,6 +12,9 @@ import dataclasses
 from flatkv_jax.errors import check_positive_int, fail
 from flatkv_jax.recipes.deepseek_v4 import DeepSeekV4Config, tiny_v4, v4_flash
 
+MATMUL_PRECISIONS = ("highest", "float32", "high", "tensorfloat32", "default", "bfloat16")
+"""The names :attr:`ModelConfig.matmul_precision` takes (``jax.default_matmul_precision``'s)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -27,6 +30,13 @@ class ModelConfig:
       index_heads: lightning-indexer query heads.
       rope_theta: RoPE base.
       eps: RMS-norm epsilon.
+      matmul_precision: the precision of every matrix product of the model, a name that
+        ``jax.default_matmul_precision`` takes (one of :data:`MATMUL_PRECISIONS`). The default
+        ``"highest"`` is full fp32 on every backend: the GPU default (``"default"``) rounds
+        fp32 operands to TF32 on Ampere and newer, which on the H200 moved the demo's cached
+        vs dense logits apart by 1.3e-1, far over the 1e-5 parity bound, because the cached and
+        dense paths multiply in different orders. Lower it only for speed, never in parity
+        checks.
     """
 
     cache: DeepSeekV4Config
@@ -37,6 +47,7 @@ class ModelConfig:
     index_heads: int = 2
     rope_theta: float = 10000.0
     eps: float = 1e-6
+    matmul_precision: str = "highest"
 
     def __post_init__(self):
         if not isinstance(self.cache, DeepSeekV4Config):
@@ -65,6 +76,13 @@ class ModelConfig:
             )
         if not isinstance(self.eps, float) or not self.eps > 0:
             fail("eps", self.eps, "it must be a positive float", "use eps=1e-6")
+        if self.matmul_precision not in MATMUL_PRECISIONS:
+            fail(
+                "matmul_precision",
+                self.matmul_precision,
+                f"it must be one of {', '.join(MATMUL_PRECISIONS)}",
+                'use "highest" (full fp32 on every backend) unless speed matters more than parity',
+            )
 
     # --- derived geometry ------------------------------------------------------------------
     @property

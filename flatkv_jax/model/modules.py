@@ -413,6 +413,22 @@ def check_params(cfg: ModelConfig, params: Params) -> None:
             )
 
 
+def _pinned_precision(method):
+    """Traces ``method`` under the model's ``cfg.matmul_precision``.
+
+    The precision is part of the model, not of the caller's context: a serving step traced on
+    a GPU would otherwise get TF32 products while the dense reference (or another backend) gets
+    fp32, and parity would fail for reasons that have nothing to do with the cache.
+    """
+
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        with jax.default_matmul_precision(self.cfg.matmul_precision):
+            return method(self, *args, **kwargs)
+
+    return wrapped
+
+
 class DeepSeekV4(nnx.Module):
     """The reference DeepSeek-V4 model: what a serving engine drives.
 
@@ -524,6 +540,7 @@ class DeepSeekV4(nnx.Module):
         graphdef, weights = nnx.split(self)
         return _dense_jit(graphdef, weights, tokens)
 
+    @_pinned_precision
     def dense_trace(self, tokens: jax.Array):
         """:meth:`dense` without the jit and checks (for use inside a traced function)."""
         x = self.embed(tokens)
@@ -538,6 +555,7 @@ class DeepSeekV4(nnx.Module):
         return logits, x, self.head(g, self.mtp.final_norm)
 
     # --- cached path ------------------------------------------------------------------------
+    @_pinned_precision
     def step(
         self,
         pools: Pools,
@@ -617,6 +635,7 @@ class DeepSeekV4(nnx.Module):
             draft_logits = self.head(g, self.mtp.final_norm)
         return StepOutput(logits=logits, hidden=x, draft_logits=draft_logits), ed.pools()
 
+    @_pinned_precision
     def propose(
         self,
         pools: Pools,

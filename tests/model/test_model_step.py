@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -280,3 +281,52 @@ def test_step_rejects_pools_and_tables_of_another_plan(fp32_setup):
         jax.eval_shape(
             make_propose(s.cfg, s.plan), s.params, Pools(pool_specs(bigger)), draft, meta, tables
         )
+    with pytest.raises(
+        ValueError, match=r"matmul_precision='fast' is invalid: it must be one of highest, float32"
+    ):
+        dataclasses.replace(tiny_model(), matmul_precision="fast")
+
+
+# --- matmul precision --------------------------------------------------------------------------
+def _dot_precisions(lowered) -> set[str]:
+    """The operand precisions of every dot_general in a lowered program."""
+    found = re.findall(
+        r"stablehlo\.dot_general[^\n]*?precision = \[(\w+), (\w+)\]", lowered.as_text()
+    )
+    dots = lowered.as_text().count("stablehlo.dot_general")
+    # A dot without a precision attribute would be DEFAULT: count it as such.
+    return {p for pair in found for p in pair} | ({"DEFAULT"} if dots > len(found) else set())
+
+
+def _lower_all(cfg, plan, params):
+    """The step, the draft proposer and the dense reference, lowered (shapes only)."""
+    r = plan.limits.max_requests
+    pools, batch, meta, tables = _abstract(cfg, plan)
+    draft = DraftBatch(
+        tokens=_sds((r,)),
+        prev_hidden=_sds((r, cfg.hidden), jnp.float32),
+        active=_sds((r,), jnp.bool_),
+    )
+    dense = jax.jit(lambda p, t: dense_forward(p, t, cfg))
+    return (
+        make_step(cfg, plan).lower(params, pools, batch, meta, tables),
+        make_propose(cfg, plan).lower(params, pools, draft, meta, tables),
+        dense.lower(params, _sds((16,))),
+    )
+
+
+def test_every_matrix_product_runs_at_the_configured_precision(fp32_setup):
+    """The default ``matmul_precision="highest"`` pins every dot of the step, the proposer and
+    the dense reference to HIGHEST, whatever the caller's context (on an H200 the backend
+    default, TF32, put the demo's cached vs dense logits 1.3e-1 apart). A config that asks
+    for the backend default gets DEFAULT dots."""
+    s = fp32_setup
+    plan = make_plan(s.cfg, pages=64)
+    with jax.default_matmul_precision("bfloat16"):  # the caller's context must not leak in
+        lowered = _lower_all(s.cfg, plan, s.params)
+    for low in lowered:
+        assert "stablehlo.dot_general" in low.as_text()
+        assert _dot_precisions(low) == {"HIGHEST"}
+    cfg = dataclasses.replace(s.cfg, matmul_precision="default")
+    for low in _lower_all(cfg, plan, s.params):
+        assert _dot_precisions(low) == {"DEFAULT"}
