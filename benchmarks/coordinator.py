@@ -25,11 +25,10 @@ import os
 import platform
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _platform import add_platform_argument, use_platform
 
 from flatkv_jax import ServingLimits, plan_with_pages
 from flatkv_jax.coordinator import (
@@ -180,9 +179,12 @@ def main():
         action="store_true",
         help="state without a prefix index (create_state(plan, prefix=False)), no tokens",
     )
+    add_platform_argument(ap)
     args = ap.parse_args()
+    device = use_platform(args.platform)
     print(
-        f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}"
+        f"jax {jax.__version__} on {device}, {os.cpu_count()} CPUs, "
+        f"{platform.processor() or platform.machine()}"
     )
     print(
         f"V4-Flash groups, verify_width={VERIFY}, max_context={args.max_context}; best of {args.rounds} interleaved "

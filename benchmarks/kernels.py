@@ -18,11 +18,10 @@ import platform
 import statistics
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _platform import add_platform_argument, use_platform
 
 from kernels_pallas import Impl, write_rows, zero_pages
 
@@ -80,7 +79,7 @@ def _page_run_write(pool, rows, page_ids):
     return pool.at[ids].set(blocks, mode="drop", unique_indices=True)
 
 
-def run(impls: list[str], *, quick: bool, page_runs: bool) -> None:
+def run(impls: list[str], *, quick: bool, page_runs: bool, device: str) -> None:
     warmup, reps = (1, 3) if quick else (3, 25)
     rng = np.random.default_rng(0)
     ops = [("write 256 rows", 256), ("write 4096 rows", 4096), ("zero 64 pages", 64)]
@@ -123,7 +122,7 @@ def run(impls: list[str], *, quick: bool, page_runs: bool) -> None:
 
     sizes = [f"{_pages_for(mb) * PAGE_BYTES / 1e6:.0f} MB" for mb in POOL_MB]
     print(
-        f"\njax {jax.__version__}, backend {jax.default_backend()}, "
+        f"\njax {jax.__version__} on {device}, "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
         f"rows {ROW_BYTES} B uint8, {ROWS_PER_PAGE} rows/page; pool donated; "
         f"{warmup} warm-up + {reps} reps; median (best) ms\n"
@@ -154,9 +153,11 @@ def main() -> None:
         action="store_true",
         help="also time the XLA page-run form of a 4096-row prefill write (64 whole pages)",
     )
+    add_platform_argument(parser)
     args = parser.parse_args()
+    device = use_platform(args.platform)
     impls = ["reference", "pallas_tpu"] if args.impl == "all" else [args.impl]
-    run(impls, quick=args.quick, page_runs=args.page_runs)
+    run(impls, quick=args.quick, page_runs=args.page_runs, device=device)
 
 
 if __name__ == "__main__":

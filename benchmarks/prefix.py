@@ -17,15 +17,13 @@
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
-
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _platform import add_platform_argument, use_platform
 
 from flatkv_jax import ServingLimits, plan_with_pages
 from flatkv_jax.oracle import RadixOracle, ReleaseMode, admit_batch, extend_batch, handle_batch
@@ -219,12 +217,15 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--quick", action="store_true")
+    add_platform_argument(ap)
     args = ap.parse_args()
+    device = use_platform(args.platform)
     agents, turns, reps = (16, 3, 3) if args.quick else (64, 4, 10)
     plan = agentic_plan()
     t0 = time.perf_counter()
     hits, prompt = run_agents(RadixOracle(plan), agents=agents, turns=turns)
     dt = time.perf_counter() - t0
+    print(f"jax {jax.__version__} on {device}")
     print(
         f"agentic trace: {agents} agents x {turns} turns, {len(hits)} admissions, oracle {dt:.1f} s"
     )

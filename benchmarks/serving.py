@@ -21,14 +21,12 @@ prompt + generated tokens per second), draft acceptance and retractions.
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
 import jax
 import numpy as np
+from _platform import add_platform_argument, use_platform
 
 from flatkv_jax import ServingLimits, plan_with_pages
 from flatkv_jax.model import DeepSeekV4, init_params, tiny_model
@@ -66,13 +64,15 @@ def main() -> None:
     ap.add_argument("--no-mtp", action="store_true")
     ap.add_argument("--no-prefix", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="smoke settings: B=4, short requests")
+    add_platform_argument(ap)
     args = ap.parse_args()
+    backend = use_platform(args.platform)
     if args.tiny:
         args.batch, args.prompt, args.new, args.chunk = [4], 10, 6, 12
     cfg = tiny_model()
     verify = 0 if args.no_mtp else 2
     model = DeepSeekV4.from_params(cfg, init_params(cfg, 0))
-    print(f"# jax {jax.__version__} on {platform.machine()} ({jax.default_backend()}), tiny model")
+    print(f"# jax {jax.__version__} on {platform.machine()} ({backend}), tiny model")
     print(f"# prompt {args.prompt}, new {args.new}, chunk {args.chunk}, verify {verify}, "
           f"prefix cache {not args.no_prefix}")  # fmt: skip
     print(

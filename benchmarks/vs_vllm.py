@@ -70,11 +70,10 @@ import random
 import statistics
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _platform import add_platform_argument, use_platform
 
 from flatkv_jax import ServingLimits, plan_with_pages
 from flatkv_jax.coordinator import (
@@ -546,7 +545,9 @@ def main():
         default=str(pathlib.Path.home() / ".cache" / "flatkv_jax" / "vs_vllm_xla"),
         help="XLA persistent compilation cache directory ('' : none)",
     )
+    add_platform_argument(ap)
     args = ap.parse_args()
+    device = use_platform(args.platform)
     if args.compile_cache:
         jax.config.update("jax_compilation_cache_dir", args.compile_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
@@ -559,7 +560,12 @@ def main():
     assert vocab == 150_000, vocab
     print(
         json.dumps(
-            {"nproc": os.cpu_count(), "python": platform.python_version(), "jax": jax.__version__}
+            {
+                "nproc": os.cpu_count(),
+                "python": platform.python_version(),
+                "jax": jax.__version__,
+                "device": device,
+            }
         )
     )
     peer = {}

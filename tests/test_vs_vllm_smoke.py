@@ -4,22 +4,57 @@ shapes for minutes and is run by hand (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import pathlib
+import subprocess
+import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from flatkv_jax import ServingLimits, plan_with_pages
 
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "vs_vllm.py"
+_BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name: str):
+    # The benchmarks run as scripts, so their helpers (_platform) import from their folder.
+    sys.path.insert(0, str(_BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location(name, _BENCH / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(_BENCH))
+    return mod
 
 
 @pytest.fixture(scope="module")
 def vs():
-    spec = importlib.util.spec_from_file_location("vs_vllm", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _load("vs_vllm")
+
+
+def test_platform_is_chosen_by_argument_and_checked():
+    """--platform defaults to cpu and is applied, and a platform JAX no longer can switch to
+    (its backends exist) or an unknown name is refused with the fix, never measured silently."""
+    plat = _load("_platform")
+    ap = argparse.ArgumentParser()
+    plat.add_platform_argument(ap)
+    assert ap.parse_args([]).platform == "cpu"
+    assert ap.parse_args(["--platform", "gpu"]).platform == "gpu"
+    jnp.ones(1).block_until_ready()  # the test process's backend exists: cpu
+    before = jax.config.jax_platforms
+    try:
+        assert plat.use_platform("auto").startswith("cpu (")
+        assert plat.use_platform("cpu").startswith("cpu (")
+        with pytest.raises(ValueError, match=r"platform='cuda' is invalid: it must be one of cpu"):
+            plat.use_platform("cuda")
+        with pytest.raises(ValueError, match=r"platform='tpu' is invalid here: JAX already runs"):
+            plat.use_platform("tpu")
+    finally:
+        jax.config.update("jax_platforms", before)
 
 
 def test_row_buckets_are_powers_of_two_up_to_the_cap(vs):
@@ -64,3 +99,17 @@ def test_hit_ceilings_count_whole_granules_shared_with_an_earlier_prompt(vs):
     ]
     assert vs.hit_ceilings(prompts, 2) == [0, 4, 2, 4, 2, 0]
     assert vs.hit_ceilings(prompts, 4) == [0, 4, 0, 4, 0, 0]
+
+
+def test_platform_missing_here_is_named_with_the_fix():
+    """A fresh process asking for a backend this machine lacks gets our message, not JAX's
+    bare AssertionError (jax 0.10) or a silent fall-back to the CPU."""
+    code = (
+        f"import sys; sys.path.insert(0, {str(_BENCH)!r}); import _platform; "
+        "print(_platform.use_platform('tpu'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    if out.returncode == 0:
+        pytest.skip(f"this machine has a TPU: {out.stdout.strip()}")
+    assert "platform='tpu' is not available on this machine" in out.stderr, out.stderr[-2000:]
+    assert "Fix: install the jax plugin for it" in out.stderr
