@@ -284,6 +284,29 @@ class GroupSpec:
             )
         return blocks_for_span(self.window - 1 + step_tokens, self.block_tokens)
 
+    def first_read(self, c: int) -> int:
+        """The oldest position that the tokens from ``c`` on still read (window groups; may be
+        negative near the start): ``c - window + 1`` for a sliding window; a group with a
+        ``period`` restarts at every multiple of it and reads back only ``carry`` tokens
+        across the restart, so ``max(c - window + 1, c // period * period - carry)``.
+
+        Reclaim drops every column wholly before ``max(0, first_read(committed))``; the
+        coordinator, the oracle and the audit share this rule. It never decreases as ``c``
+        grows, so a step in flight (whose tokens lie at or after ``committed``) never reads a
+        dropped column.
+        """
+        if not self.is_window:
+            fail(
+                "group",
+                self.name,
+                "first_read is defined for window groups only",
+                "history groups keep every block: read from 0",
+            )
+        start = c - self.window + 1
+        if self.period is not None:
+            start = max(start, c // self.period * self.period - self.carry)
+        return start
+
     @property
     def hit_reach(self) -> int:
         """Tokens behind a prefix-hit boundary that the tokens after it still read (window

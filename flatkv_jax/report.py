@@ -16,6 +16,8 @@ class GroupReport:
     owner: str
     retention: str
     window: int | None
+    period: int | None
+    carry: int
     layers: int
     fields: str
     row_bytes: int
@@ -60,7 +62,7 @@ class MemoryReport:
         cols = [
             ("group", lambda r: r.name),
             ("owner", lambda r: r.owner),
-            ("kept", lambda r: f"win {r.window}" if r.window else "history"),
+            ("kept", _kept),
             ("layers", lambda r: str(r.layers)),
             ("fields", lambda r: r.fields),
             ("row B", lambda r: f"{r.row_bytes:,}"),
@@ -97,6 +99,14 @@ class MemoryReport:
         return "\n".join(lines)
 
 
+def _kept(r: GroupReport) -> str:
+    """``history``, ``win W`` or, with a period, ``win W/P+K`` (restarts every ``P`` tokens,
+    reads back ``K`` across a restart: docs/plan.md, "Periods")."""
+    if not r.window:
+        return "history"
+    return f"win {r.window}" + (f"/{r.period}+{r.carry}" if r.period else "")
+
+
 def human_bytes(n: float) -> str:
     """``1536 -> '1.50 KiB'``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -114,6 +124,8 @@ def memory_report(plan: CachePlan) -> MemoryReport:
             owner=g.owner.value,
             retention=g.retention.value,
             window=g.window,
+            period=g.period,
+            carry=g.carry,
             layers=g.num_layers,
             fields="+".join(f"{f.name}:{f.format.name}" for f in g.fields),
             row_bytes=g.row_bytes,

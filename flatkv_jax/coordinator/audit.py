@@ -28,16 +28,6 @@ class PoolCounts:
     total: int
 
 
-def _first_read(g, c: int) -> int:
-    """The oldest position a window group's tokens from ``c`` on still read: ``c - W + 1``
-    for a sliding window; a group with a period reads back only its carry from the last
-    period boundary (a prefix hit there leaves holes up to that position)."""
-    start = c - g.window + 1
-    if g.period is not None:
-        start = max(start, c // g.period * g.period - g.carry)
-    return start
-
-
 def table_references(plan: CachePlan, state: CacheState) -> list[np.ndarray]:
     """Per group, ``int64[num_pages]``: live table entries pointing at each page."""
     out = []
@@ -162,7 +152,7 @@ def check_state(plan: CachePlan, state: CacheState, *, shared_ok: bool = False) 
                 bad(f"{g.name}: slot {s} row is not holes/pages/-1 at lo={lo[s]} hi={hi[s]}")
             if hi[s] * g.block_tokens < n[s]:
                 bad(f"{g.name}: slot {s} hi={hi[s]} does not cover extent {n[s]}")
-            if g.is_window and lo[s] > max(0, _first_read(g, int(c[s])) // g.block_tokens):
+            if g.is_window and lo[s] > max(0, g.first_read(int(c[s])) // g.block_tokens):
                 bad(
                     f"{g.name}: slot {s} dropped a slot still inside the window (lo={lo[s]}, c={c[s]})"
                 )

@@ -42,6 +42,8 @@ class StateLayout:
       window: per group, its window in tokens (0 for history groups).
       hit_reach: per group, :attr:`~flatkv_jax.groups.GroupSpec.hit_reach` (tokens behind a
         prefix-hit boundary still read; 0 for history groups).
+      period: per group, its ``period`` (0: none); carry: per group, its ``carry``
+        (:meth:`~flatkv_jax.groups.GroupSpec.first_read`).
       table_size: entries of the flat ``table_buffer`` (every group's table).
     """
 
@@ -56,6 +58,8 @@ class StateLayout:
     is_window: tuple[bool, ...] = ()
     window: tuple[int, ...] = ()
     hit_reach: tuple[int, ...] = ()
+    period: tuple[int, ...] = ()
+    carry: tuple[int, ...] = ()
     table_size: int = 0
 
 
@@ -83,6 +87,8 @@ def state_layout(plan: CachePlan) -> StateLayout:
         is_window=tuple(g.is_window for g in plan.groups),
         window=tuple(g.window or 0 for g in plan.groups),
         hit_reach=tuple(g.hit_reach for g in plan.groups),
+        period=tuple(g.period or 0 for g in plan.groups),
+        carry=tuple(g.carry for g in plan.groups),
         table_size=sum(sizes),
     )
 

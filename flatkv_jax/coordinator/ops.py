@@ -555,11 +555,13 @@ def rewind_fn(
 def reclaim_fn(
     plan: CachePlan, state: CacheState, batch: HandleBatch, *, max_count: int | None = None
 ) -> tuple[CacheState, ReclaimResult]:
-    """Window groups: columns wholly behind the window of ``committed`` become holes (0).
+    """Window groups: columns wholly behind what ``committed`` on still reads become holes (0).
 
-    Column ``i`` of a window group with window ``W`` and span ``B`` is dropped iff
-    ``i < lo = max(0, (committed - W + 1) // B)``; its page is decref'd (freed unless the
-    prefix index holds it). Cost O(columns dropped).
+    Column ``i`` of a window group with span ``B`` is dropped iff ``i < lo = max(0,
+    first_read(committed)) // B`` (:meth:`~flatkv_jax.groups.GroupSpec.first_read`:
+    ``committed - W + 1`` for a sliding window of ``W``; a group with a ``period`` also drops
+    what lies before its last period boundary less its ``carry``); its page is decref'd (freed
+    unless the prefix index holds it). Cost O(columns dropped).
 
     Per row: ``IDLE``, ``STALE``, ``BAD_ARG`` (repeated slot), else ``OK`` (a request whose
     release is pending may still reclaim).
@@ -590,7 +592,13 @@ def reclaim_fn(
     c = state.committed[s]
     lo, hi = state.lo[:, s], state.hi[:, s]  # [G, B]
     bt, win = per_group(lay.block_tokens)[:, None], per_group(lay.window)[:, None]
-    behind = jnp.maximum(0, (c[None, :] - win + 1) // bt)
+    period, carry = per_group(lay.period)[:, None], per_group(lay.carry)[:, None]
+    # GroupSpec.first_read, per group: a period group restarts at each multiple of its period
+    # and reads back only its carry (V4's ratio-128 state: nothing before the boundary).
+    start = c[None, :] - win + 1
+    restart = c[None, :] // jnp.maximum(period, 1) * period - carry
+    start = jnp.where(period > 0, jnp.maximum(start, restart), start)
+    behind = jnp.maximum(0, start) // bt
     new_lo = jnp.where(per_group(lay.is_window)[:, None], jnp.clip(behind, lo, hi), lo)
     state = sweep(plan, state, s, go, lo, new_lo, 0, reclaim_chunk(plan, b, max_count))
     state = replace(state, lo=set_cols(state.lo, s, go, new_lo))

@@ -455,7 +455,9 @@ class RadixOracle:
         return res
 
     def reclaim(self, batch: OracleHandleBatch) -> OpResult:
-        """Window groups: slots wholly behind the window of position ``c`` become holes.
+        """Window groups: slots wholly before ``GroupSpec.first_read(c)`` become holes (the
+        window of position ``c``; for a group with a period, also what lies before its last
+        period boundary less its carry).
 
         Per row: IDLE, STALE (a pending release may still reclaim), BAD_ARG (repeated slot),
         else OK.
@@ -468,7 +470,7 @@ class RadixOracle:
             for gi, g in enumerate(self.plan.groups):
                 if not g.is_window:
                     continue
-                lo = max(0, (req.c - g.window + 1) // g.block_tokens)
+                lo = max(0, g.first_read(req.c)) // g.block_tokens
                 idx = [j for j in range(lo) if req.tables[gi][j] >= 1]
                 self._decref_all(req, gi, idx)
                 req.tables[gi][idx] = 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from coordinator_cases import ABORT, FINISH, PLAN, RETRACT, Driver, assert_same, make_plan, snapshot
 
 from flatkv_jax.coordinator import ReleaseBatch, audit, host, ops
@@ -272,3 +273,36 @@ def test_error_statuses():
     assert st(res, 1) == [Status.BAD_ARG]
     assert st(d.release((a, FINISH)), 1) == [Status.DEFERRED]
     assert st(d.extend(), 1) == [IDLE]
+
+
+def test_reclaim_drops_a_period_groups_state_before_its_last_boundary():
+    """A group with a period reads back only its carry across a period boundary, so reclaim
+    drops what lies before it: c16_state (period 16, no carry, window 20 = five 4-token
+    columns) holds nothing from before the last multiple of 16, while a sliding window of 20
+    would keep four columns; c4_state (period 4, carry 4) keeps one column before its last
+    boundary; swa_kv (sliding, window 8) keeps what its window reads. The oracle reclaims by
+    the same rule (tests/oracle differential), and GroupSpec.first_read states it."""
+    d = Driver()
+    h = d.new(16)
+    d.retire((h, 16))
+    s16, s4, swa = (PLAN.group(n) for n in ("c16_state", "c4_state", "swa_kv"))
+    seen = []
+    for c in range(17, 36):
+        d.extend((h, 1))
+        d.retire((h, 1))
+        d.reclaim(h)
+        row = {
+            g.name: np.asarray(table(PLAN, d.state, PLAN.group_index(g.name)))[h[0]]
+            for g in (s16, s4, swa)
+        }
+        lo = {name: int((r == 0).sum()) for name, r in row.items()}  # leading holes
+        assert lo["c16_state"] == c // 16 * 16 // 4, (c, lo)
+        assert s16.first_read(c) == max(c - 19, c // 16 * 16)
+        assert lo["c4_state"] == (c // 4 * 4 - 4) // 4, (c, lo)
+        assert lo["swa_kv"] == max(0, c - 7) // 4, (c, lo)
+        seen.append(lo["c16_state"] - max(0, c - 19) // 4)
+    # Right after the boundary at 32 the period rule frees five more columns than a sliding
+    # window would; just before it (c = 31) one.
+    assert seen[32 - 17] == 5 and seen[31 - 17] == 1
+    with pytest.raises(ValueError, match=r"group='c4_kv' is invalid: first_read is defined"):
+        PLAN.group("c4_kv").first_read(5)

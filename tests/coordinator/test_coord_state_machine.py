@@ -210,7 +210,7 @@ class Model:
             for gi, g in enumerate(PLAN.groups):
                 if g.is_window:
                     new_lo = min(
-                        max(max(0, (r.c - g.window + 1) // g.block_tokens), r.lo[gi]), r.hi[gi]
+                        max(max(0, g.first_read(r.c)) // g.block_tokens, r.lo[gi]), r.hi[gi]
                     )
                     self.free[gi] += new_lo - r.lo[gi]
                     r.lo[gi] = new_lo

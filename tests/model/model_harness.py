@@ -113,7 +113,9 @@ def dense(params, cfg, plan, tokens):
 def share_prefix(plan, state, dst: int, src: int, h: int):
     """What a prefix hit of ``h`` tokens from request slot ``src`` gives request slot ``dst``
     (admitted with no chunk): the donor's pages for ``[0, h)`` (window groups from ``lo(h) =
-    max(0, (h - W + 1) // B)``, holes below), one more reference each, ``n = c = h``."""
+    max(0, h - hit_reach) // B``, what the tokens after ``h`` read; holes below), one more
+    reference each, ``n = c = h``. The donor's reclaim may already have dropped the rest (a
+    group with a period drops its state before the last boundary)."""
     lay = state.layout
     tb = np.array(state.table_buffer)
     rc = np.array(state.allocator.refcount)
@@ -121,7 +123,7 @@ def share_prefix(plan, state, dst: int, src: int, h: int):
     for gi, g in enumerate(plan.groups):
         b, w, off = g.block_tokens, lay.table_width[gi], lay.table_offset[gi]
         assert h % b == 0, (g.name, h, b)
-        first = max(0, (h - g.window + 1) // b) if g.is_window else 0
+        first = max(0, h - g.hit_reach) // b if g.is_window else 0
         d, s = tb[off + dst * w : off + (dst + 1) * w], tb[off + src * w : off + (src + 1) * w]
         assert (d == -1).all() and (s[first : h // b] >= 1).all(), g.name
         d[:first] = 0
