@@ -31,9 +31,9 @@ def use_platform(name: str) -> str:
     description of the device the run measures, for the benchmark's header.
 
     Raises:
-      ValueError: ``name`` is not a known platform or not available here, or the run would measure another backend
-        than the one asked for (JAX had already created its backends: call this before any
-        array is made).
+      ValueError: ``name`` is not a known platform or not available here, or the run would
+        measure another backend than the one asked for (JAX had already created its
+        backends: call this before any array is made).
     """
     if name not in PLATFORMS:
         raise ValueError(
