@@ -1,6 +1,7 @@
 """benchmarks/vs_vllm.py's host helpers: admission row buckets and the oracle's plan (same page
 geometry as the V4-Flash plan the benchmark drives). The benchmark itself compiles V4-Flash
-shapes for minutes and is run by hand (docs/benchmarks.md)."""
+shapes for minutes and is run by hand (docs/benchmarks.md). Also the benchmarks' shared
+``--platform`` choice (benchmarks/_platform.py)."""
 
 from __future__ import annotations
 
