@@ -89,17 +89,25 @@ def grow(
 def evict(plan: CachePlan, state: CacheState, n: jax.Array, max_pages: int) -> CacheState:
     """Evicts ``n[g]`` LRU cached-only (unpinned) pages of every pool: they leave the index,
     lose its reference and go onto the free stack (the caller pops them right away)."""
-    lrus, indexes, out = [], [], []
+    lrus, out = [], []
+    off = pool_layout(plan).page_offset
     for g in range(len(plan.groups)):
-        lr, ix, pages, _ = lru_lib.evict(
-            state.lrus[g], state.indexes[g], n[g], max_pages=max_pages, pinned=state.pinned[g]
+        lr, _, pages, _ = lru_lib.evict(
+            state.lrus[g],
+            None,
+            n[g],
+            max_pages=max_pages,
+            pinned=state.pinned,
+            pin_offset=off[g],
         )
         lrus.append(lr)
-        indexes.append(ix)
         out.append(pages)
     group = jnp.repeat(jnp.arange(len(plan.groups), dtype=_I32), max_pages)
-    pools, _ = decref(state.allocator, pool_layout(plan), group, jnp.concatenate(out))
-    return replace(state, allocator=pools, lrus=tuple(lrus), indexes=tuple(indexes))
+    pages = jnp.concatenate(out)
+    # Every pool's evicted pages leave the index in one removal (each popped once: distinct).
+    index, _ = index_lib.remove_in(state.index, group, pages, pages >= 0, distinct=True)
+    pools, _ = decref(state.allocator, pool_layout(plan), group, pages)
+    return replace(state, allocator=pools, lrus=tuple(lrus), index=index)
 
 
 def zero_lists(got: Allocation) -> jax.Array:
@@ -141,9 +149,9 @@ def sweep(
     size = table_size(plan)
 
     def body(i, carry):
-        # The indexes are only read, but ride in the carry: a loop-invariant operand that is
-        # also live after the loop makes XLA copy it (every slot_of_page, every call).
-        pools, tables, lrus, indexes = carry
+        # The index is only read, but rides in the carry: a loop-invariant operand that is
+        # also live after the loop makes XLA copy it (its slot_of_page, every call).
+        pools, tables, lrus, index = carry
         e = i * chunk + jnp.arange(chunk, dtype=_I32)
         on = e < total
         q = segment_rows(excl, length, i * chunk, chunk)
@@ -156,8 +164,8 @@ def sweep(
         pages = jnp.where(on, old, -1)
         gq = group[q]
         held = jnp.zeros((chunk,), jnp.bool_)
-        for g, ix in enumerate(indexes):  # none without a prefix index
-            held = held | ((gq == g) & index_lib.holds(ix, jnp.where(gq == g, pages, 0)))
+        if index is not None:  # none without a prefix index
+            held = index_lib.holds_in(index, gq, pages)
         # With `held`, decref sorts only when some page is listed twice (two requests of
         # the batch share it), not whenever a dropped page is also indexed (every step of a
         # decode batch drops published window pages).
@@ -173,15 +181,15 @@ def sweep(
                 lambda lr: lr,
                 lrus,
             )
-        return pools, tables, lrus, indexes
+        return pools, tables, lrus, index
 
-    pools, tables, lrus, indexes = jax.lax.fori_loop(
+    pools, tables, lrus, index = jax.lax.fori_loop(
         0,
         ceil_div(total, chunk),
         body,
-        (state.allocator, state.table_buffer, state.lrus, state.indexes),
+        (state.allocator, state.table_buffer, state.lrus, state.index),
     )
-    return replace(state, allocator=pools, table_buffer=tables, lrus=lrus, indexes=indexes)
+    return replace(state, allocator=pools, table_buffer=tables, lrus=lrus, index=index)
 
 
 def free_now(plan: CachePlan, state: CacheState, s: jax.Array, mask: jax.Array) -> CacheState:

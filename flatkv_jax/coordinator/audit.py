@@ -12,6 +12,7 @@ import numpy as np
 
 from flatkv_jax.coordinator.state import CacheState, table
 from flatkv_jax.plan import CachePlan
+from flatkv_jax.prefix import index as index_lib
 
 
 class StateInvariantError(AssertionError):
@@ -98,7 +99,7 @@ def check_state(plan: CachePlan, state: CacheState, *, shared_ok: bool = False) 
             bad(f"{g.name}: the null or scratch page has a refcount")
         indexed = np.zeros(plan.pages(g), np.int64)
         if state.prefix:
-            ix = state.indexes[gi]
+            ix = index_lib.view(state.index, gi)
             ipages = np.asarray(ix.pages).reshape(-1)
             sop = np.asarray(ix.slot_of_page)
             np.add.at(indexed, ipages[ipages > 0], 1)
@@ -123,7 +124,7 @@ def check_state(plan: CachePlan, state: CacheState, *, shared_ok: bool = False) 
                 bad(f"{g.name}: the LRU's cached pages are not the indexed pages without tables")
             if int(lr.count) != int(np.count_nonzero(cached)):
                 bad(f"{g.name}: lru.count {int(lr.count)} != cached pages")
-            if np.any(np.asarray(state.pinned[gi])):
+            if np.asarray(state.pinned).any():
                 bad(f"{g.name}: a pin was left set after the call")
         if np.any(rc[free] != 0):
             bad(f"{g.name}: a free page has a refcount (a live table points at a free page)")

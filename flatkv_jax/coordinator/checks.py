@@ -30,7 +30,8 @@ from flatkv_jax.coordinator.state import (
 )
 from flatkv_jax.errors import fail
 from flatkv_jax.plan import CachePlan, check_plan
-from flatkv_jax.prefix.keys import CHAIN_WORDS, SEED_WORDS
+from flatkv_jax.prefix.index import WAYS
+from flatkv_jax.prefix.keys import CHAIN_WORDS, KEY_WORDS, SEED_WORDS
 
 _BOOL, _INT = "bool", "int32"
 
@@ -212,7 +213,7 @@ def _check_shapes(plan: CachePlan, state: CacheState, op: str) -> None:
     r, g = plan.limits.max_requests, len(plan.groups)
     d = state.fifo_start.shape[1] if state.fifo_start.ndim == 2 else -1
     pools = PoolLayout(plan.num_pages)
-    prefix = len(state.indexes) > 0
+    prefix = state.index is not None
     width = plan.limits.max_count if prefix else 0
     expect = [
         ("allocator.free_ids", state.allocator.free_ids, (sum(pools.usable),), _INT),
@@ -230,16 +231,23 @@ def _check_shapes(plan: CachePlan, state: CacheState, op: str) -> None:
     expect += [(n, getattr(state, n), (r,), _INT) for n in _PER_SLOT]
     expect += [(n, getattr(state, n), (r, d), _INT) for n in _PER_STEP]
     if prefix:
-        if not (len(state.indexes) == len(state.lrus) == len(state.pinned) == g):
+        ix = state.index
+        if not (ix.num_pages == tuple(plan.num_pages) and len(state.lrus) == g):
             fail(
                 "state",
-                f"a state with {len(state.indexes)} prefix indexes",
-                f"the plan has {g} groups (one index, LRU and pin mask per group)",
+                f"a state whose prefix index has pools of {ix.num_pages} pages",
+                f"the plan has {g} groups of {tuple(plan.num_pages)} pages (an index and an LRU "
+                "per group)",
                 "create the state with create_state(plan)",
             )
+        nb = sum(ix.num_buckets)
         expect += [
-            (f"pinned[{i}]", p, (plan.num_pages[i],), _BOOL) for i, p in enumerate(state.pinned)
+            ("index.keys", ix.keys, (nb, WAYS, KEY_WORDS), "uint32"),
+            ("index.pages", ix.pages, (nb, WAYS), _INT),
+            ("index.slot_of_page", ix.slot_of_page, (sum(plan.num_pages),), _INT),
+            ("index.count", ix.count, (g,), _INT),
         ]
+        expect += [("pinned", state.pinned, (pools.total_pages,), _BOOL)]
     for name, x, shape, dtype in expect:
         if tuple(x.shape) != shape or np.dtype(x.dtype) != np.dtype(dtype):
             fail(

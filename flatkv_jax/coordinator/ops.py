@@ -236,7 +236,7 @@ def _match_admission(plan: CachePlan, state: CacheState, batch: AdmitBatch, asks
     # the longest prompt): cost follows the prompts, not max_context.
     m = match_prompts(
         match_layout(plan, tokens.shape[1]),
-        state.indexes,
+        state.index,
         tokens,
         batch.prompt_len,
         ns,

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from flatkv_jax.block_pool import decref, incref
-from flatkv_jax.coordinator.layout import state_layout
+from flatkv_jax.coordinator.layout import per_group, state_layout
 from flatkv_jax.coordinator.rows import ceil_div, replace, set_rows
 from flatkv_jax.coordinator.state import CacheState, pool_layout, table_size
 from flatkv_jax.plan import CachePlan
@@ -47,15 +47,22 @@ def pin(plan: CachePlan, state: CacheState, m, rows: jax.Array, on: bool):
     distinct cached-only pinned pages per pool (``int32[G]``) and the listing."""
     group, pages = hit_listing(plan, m, rows)
     listed = pages > 0
-    pinned, cached = [], []
+    addr = _pin_address(plan, group, pages, listed)
+    pinned = state.pinned.at[addr].set(on, mode="drop")
     distinct = first_occurrence((group, pages), listed)
+    cached = []
     for g in range(len(plan.groups)):
-        mine = (group == g) & listed
-        p = jnp.where(mine, pages, state.pinned[g].shape[0])
-        pinned.append(state.pinned[g].at[p].set(on, mode="drop"))
-        in_lru = state.lrus[g].cached[jnp.clip(pages, 0, state.pinned[g].shape[0] - 1)]
-        cached.append(jnp.sum(distinct & mine & in_lru, dtype=_I32))
-    return replace(state, pinned=tuple(pinned)), jnp.stack(cached), (group, pages)
+        in_lru = state.lrus[g].cached[jnp.clip(pages, 0, plan.num_pages[g] - 1)]
+        cached.append(jnp.sum(distinct & (group == g) & listed & in_lru, dtype=_I32))
+    return replace(state, pinned=pinned), jnp.stack(cached), (group, pages)
+
+
+def _pin_address(plan: CachePlan, group: jax.Array, pages: jax.Array, listed: jax.Array):
+    """Entries of the flat pin mask (pool ``g``'s pages at its ``page_offset``, as the
+    allocator's refcounts): out of range (dropped) where nothing is listed."""
+    layout = pool_layout(plan)
+    off = jnp.asarray(layout.page_offset, _I32)[jnp.clip(group, 0, len(plan.groups) - 1)]
+    return jnp.where(listed, off + pages, layout.total_pages)
 
 
 def take_hits(plan: CachePlan, state: CacheState, m, s: jax.Array, served, listing) -> CacheState:
@@ -64,22 +71,17 @@ def take_hits(plan: CachePlan, state: CacheState, m, s: jax.Array, served, listi
     lay = state_layout(plan)
     group, pages = listing
     listed = pages > 0
-    pinned, lrus = [], []
-    for g in range(len(plan.groups)):
-        mine = (group == g) & listed
-        p = jnp.where(mine, pages, state.pinned[g].shape[0])
-        # Always False (a count is never negative), but it depends on what the eviction cond
-        # computed: that orders the cond's reads of the mask before this in-place write
-        # (otherwise XLA copies the whole mask).
-        clear = jnp.broadcast_to(state.lrus[g].count < 0, p.shape)
-        pinned.append(state.pinned[g].at[p].set(clear, mode="drop"))
+    # Always False (a count is never negative), but it depends on what the eviction cond
+    # computed: that orders the cond's reads of the mask before this in-place write
+    # (otherwise XLA copies the whole mask).
+    clear = jnp.broadcast_to(jnp.stack([lr.count for lr in state.lrus]).min() < 0, pages.shape)
+    pinned = state.pinned.at[_pin_address(plan, group, pages, listed)].set(clear, mode="drop")
     take_rows = jnp.concatenate(
         [jnp.broadcast_to(served[:, None], p.shape).reshape(-1) for p in m.listed]
     )
     took = listed & take_rows
-    for g in range(len(plan.groups)):
-        lr, _ = lru_lib.take(state.lrus[g], jnp.where(took & (group == g), pages, 0))
-        lrus.append(lr)
+    # Every pool's hit pages leave its LRU in one batched take (one dedupe for the listing).
+    lrus = lru_lib.take_groups(state.lrus, group, pages, took)
     pools = incref(state.allocator, pool_layout(plan), group, jnp.where(took, pages, -1))
     tables = state.table_buffer
     for g, p in enumerate(m.pages):
@@ -90,9 +92,7 @@ def take_hits(plan: CachePlan, state: CacheState, m, s: jax.Array, served, listi
         val = p[:, :cols]
         ok = served[:, None] & (val >= 0)
         tables = tables.at[jnp.where(ok, idx, table_size(plan))].set(val, mode="drop")
-    return replace(
-        state, pinned=tuple(pinned), lrus=tuple(lrus), allocator=pools, table_buffer=tables
-    )
+    return replace(state, pinned=pinned, lrus=tuple(lrus), allocator=pools, table_buffer=tables)
 
 
 def publish_blocks(
@@ -127,8 +127,8 @@ def publish_blocks(
     lanes, chain = keys_lib.extend_chain(state.chain[s], toks, c_old, a, ns, seed=state.key_seed)
     offered = _flatten(
         [
-            _completed_blocks(plan, state, g, s, pub, c_old, c_old + a, lanes, width, ns)
-            for g in range(len(plan.groups))
+            _completed_blocks(plan, state, run, s, pub, c_old, c_old + a, lanes, width, ns)
+            for run in _runs_of_equal_blocks(plan, width)
         ]
     )
     state = replace(state, chain=set_rows(state.chain, s, pub, chain))
@@ -145,12 +145,12 @@ def publish_blocks(
     marks = tuple((lr.cached, lr.count) for lr in state.lrus)
 
     def body(i, carry):
-        pools, indexes, marks, tables = carry
+        pools, index, marks, tables = carry
         sel = jax.lax.dynamic_slice(order, (i * k,), (k,))
         c = jax.tree.map(lambda x: x[jnp.clip(sel, 0, n - 1)], offered)
         c = c._replace(valid=c.valid & (sel < n))
         keys = keys_lib.keys_from_lanes(c.sums[:, None, :], c.ends[:, None], c.namespace)[:, 0]
-        indexes, taken, _, present = index_lib.insert_mixed(indexes, c.group, keys, c.page, c.valid)
+        index, taken, _, present = index_lib.insert_in(index, c.group, keys, c.page, c.valid)
         pools = incref(pools, pool_layout(plan), c.group, jnp.where(taken, c.page, -1))
         # Not taken and not already this page's key: another page holds it (from before this
         # chunk, or an earlier row of this chunk took it), or its bucket pair is full.
@@ -167,19 +167,19 @@ def publish_blocks(
             marks,
             tables,
         )
-        return pools, indexes, marks, tables
+        return pools, index, marks, tables
 
-    pools, indexes, marks, tables = jax.lax.fori_loop(
+    pools, index, marks, tables = jax.lax.fori_loop(
         0,
         ceil_div(total, k),
         body,
-        (state.allocator, state.indexes, marks, state.table_buffer),
+        (state.allocator, state.index, marks, state.table_buffer),
     )
     lrus = tuple(
         dataclasses.replace(lr, cached=cached, count=count)
         for lr, (cached, count) in zip(state.lrus, marks, strict=True)
     )
-    return replace(state, allocator=pools, indexes=indexes, lrus=lrus, table_buffer=tables)
+    return replace(state, allocator=pools, index=index, lrus=lrus, table_buffer=tables)
 
 
 def publish_chunk(n: int) -> int:
@@ -191,9 +191,9 @@ def publish_chunk(n: int) -> int:
 
 def _flatten(blocks: list[_Blocks]) -> _Blocks:
     """Every group's candidate blocks as one flat batch (groups in order, then rows, older
-    blocks first): each field ``[B, N, ...]`` becomes ``[sum of B * N, ...]``."""
+    blocks first): each field ``[groups, B, N, ...]`` becomes ``[sum of groups * B * N, ...]``."""
     return jax.tree.map(
-        lambda *xs: jnp.concatenate([x.reshape(-1, *x.shape[2:]) for x in xs]), *blocks
+        lambda *xs: jnp.concatenate([x.reshape(-1, *x.shape[3:]) for x in xs]), *blocks
     )
 
 
@@ -220,7 +220,7 @@ def _share_blocks(plan: CachePlan, pools, marks, tables, o: _Blocks, taken, pres
 
 
 class _Blocks(NamedTuple):
-    """Candidate blocks: one group's ``[B, N]`` per row, or every group's flattened
+    """Candidate blocks: a run of groups' ``[groups, B, N]``, or every group's flattened
     (:func:`_flatten`) to ``[N]``."""
 
     group: jax.Array  # int32: the group
@@ -247,10 +247,25 @@ def hit_run_start(block_tokens: int, reach: int, granularity: int, ends):
     return jnp.maximum(run, 0)
 
 
+def _runs_of_equal_blocks(plan: CachePlan, width: int) -> list[tuple[int, ...]]:
+    """The groups in order, cut into runs of consecutive groups that can complete equally
+    many blocks per row in ``width`` tokens (``width // block_tokens + 1``): each run's
+    candidates are computed as one ``[groups, B, N]`` batch (a decode step: one run of every
+    group, not one copy of the code per group)."""
+    lay = state_layout(plan)
+    runs: list[list[int]] = []
+    for g, bt in enumerate(lay.block_tokens):
+        if runs and width // lay.block_tokens[runs[-1][0]] == width // bt:
+            runs[-1].append(g)
+        else:
+            runs.append([g])
+    return [tuple(r) for r in runs]
+
+
 def _completed_blocks(
     plan: CachePlan,
     state: CacheState,
-    g: int,
+    run: tuple[int, ...],
     s: jax.Array,
     pub: jax.Array,
     c_old: jax.Array,
@@ -259,22 +274,28 @@ def _completed_blocks(
     width: int,
     ns: jax.Array,
 ) -> _Blocks:
-    """Group ``g``'s blocks completed in ``(c_old, c_new]`` (at most ``width // B + 1`` per
-    row); ``ns``: each row's namespace."""
+    """The blocks completed in ``(c_old, c_new]`` by the groups of ``run`` (static, groups
+    with equal ``width // B + 1``, the most a row can complete), each field ``[groups, B,
+    N]``; ``ns``: each row's namespace."""
     lay = state_layout(plan)
-    bt, w = lay.block_tokens[g], lay.table_width[g]
-    n_ends = width // bt + 1
-    ends = (c_old[:, None] // bt + 1 + jnp.arange(n_ends, dtype=_I32)[None, :]) * bt
-    ok = pub[:, None] & (ends <= c_new[:, None])
-    at = jnp.clip(ends - c_old[:, None] - 1, 0, width - 1)
-    new_sums = jnp.take_along_axis(lanes, at[:, :, None], axis=1)
+
+    def const(values):
+        return per_group(tuple(values[g] for g in run))[:, None, None]
+
+    bt, w = const(lay.block_tokens), const(lay.table_width)
+    n_ends = width // lay.block_tokens[run[0]] + 1
+    k = jnp.arange(n_ends, dtype=_I32)[None, None, :]
+    ends = (c_old[None, :, None] // bt + 1 + k) * bt
+    ok = pub[None, :, None] & (ends <= c_new[None, :, None])
+    at = jnp.clip(ends - c_old[None, :, None] - 1, 0, width - 1)
+    g_n, b = len(run), s.shape[0]
+    new_sums = lanes[jnp.arange(b, dtype=_I32)[None, :, None], at]  # [groups, B, N, LANES]
     slot = jnp.clip(ends // bt - 1, 0, w - 1)
-    if lay.is_window[g]:
-        ok = ok & (
-            ends // bt - 1 >= hit_run_start(bt, lay.hit_reach[g], plan.prefix_granularity, ends)
-        )
-    tidx = lay.table_offset[g] + s[:, None] * w + slot
+    if any(lay.is_window[g] for g in run):
+        start = hit_run_start(bt, const(lay.hit_reach), plan.prefix_granularity, ends)
+        ok = ok & (~const(lay.is_window) | (ends // bt - 1 >= start))
+    tidx = const(lay.table_offset) + s[None, :, None] * w + slot
     entry = state.table_buffer[tidx]
-    group = jnp.full(ok.shape, g, _I32)
-    row_ns = jnp.broadcast_to(ns[:, None], (*ok.shape, *ns.shape[1:]))
+    group = jnp.broadcast_to(per_group(run)[:, None, None], ok.shape)
+    row_ns = jnp.broadcast_to(ns[None, :, None], (g_n, b, n_ends, *ns.shape[1:]))
     return _Blocks(group, ends, new_sums, tidx, entry, ok & (entry >= 1), row_ns)

@@ -45,7 +45,7 @@ from flatkv_jax.coordinator.layout import (
 )
 from flatkv_jax.errors import check_positive_int, fail
 from flatkv_jax.plan import CachePlan
-from flatkv_jax.prefix.index import PrefixIndex, create_indexes
+from flatkv_jax.prefix.index import PrefixIndex, PrefixIndexSet, create_index_set, unpack
 from flatkv_jax.prefix.keys import CHAIN_WORDS, new_seed, seed_words
 from flatkv_jax.prefix.lru import CachedLRU, create_lrus
 
@@ -85,7 +85,7 @@ class PoolView(NamedTuple):
     data_fields=[
         "allocator", "table_buffer", "lo", "hi", "generation", "live", "pending", "extent",
         "committed", "fifo_start", "fifo_count", "fifo_cap", "fifo_head", "fifo_len",
-        "indexes", "lrus", "pinned", "chain", "namespace", "keyed", "fifo_tokens",
+        "index", "lrus", "pinned", "chain", "namespace", "keyed", "fifo_tokens",
         "key_seed",
     ],
     meta_fields=["layout"],
@@ -108,9 +108,13 @@ class CacheState:
       committed: ``int32[R]``, ``c``.
       fifo_start, fifo_count, fifo_cap: ``int32[R, D]``.
       fifo_head, fifo_len: ``int32[R]``.
-      indexes: per group, its :class:`~flatkv_jax.prefix.index.PrefixIndex` (key -> page).
+      index: every group's prefix index (key -> page) in one
+        :class:`~flatkv_jax.prefix.index.PrefixIndexSet` (``None`` without prefix caching);
+        per-group views: :attr:`indexes`.
       lrus: per group, its :class:`~flatkv_jax.prefix.lru.CachedLRU` (cached-only pages).
-      pinned: per group, ``bool[num_pages]``, all False between calls (admit's scratch mask of
+      pinned: ``bool[total pages]`` (pool ``g``'s pages at its ``page_offset``, as the
+        allocator's refcounts; ``None`` without prefix caching), all False between calls
+        (admit's scratch mask of
         pages matched in the call; kept in the state so setting it costs O(pages matched)).
       chain: ``uint32[R, CHAIN_WORDS]``, the chain state of each request's committed tokens
         (:func:`flatkv_jax.prefix.keys.extend_chain`).
@@ -136,9 +140,9 @@ class CacheState:
     fifo_cap: jax.Array
     fifo_head: jax.Array
     fifo_len: jax.Array
-    indexes: tuple[PrefixIndex, ...]
+    index: PrefixIndexSet | None
     lrus: tuple[CachedLRU, ...]
-    pinned: tuple[jax.Array, ...]
+    pinned: jax.Array | None
     chain: jax.Array
     namespace: jax.Array
     keyed: jax.Array
@@ -179,7 +183,13 @@ class CacheState:
     @property
     def prefix(self) -> bool:
         """Whether the state keeps a prefix index (``create_state(..., prefix=...)``)."""
-        return len(self.indexes) > 0
+        return self.index is not None
+
+    @property
+    def indexes(self) -> tuple[PrefixIndex, ...]:
+        """Per group, its index as a :class:`~flatkv_jax.prefix.index.PrefixIndex` (views of
+        :attr:`index`, for reading; ``()`` without prefix caching)."""
+        return () if self.index is None else unpack(self.index)
 
 
 def create_state(
@@ -248,9 +258,9 @@ def create_state(
         fifo_cap=fifo(),
         fifo_head=zeros(),
         fifo_len=zeros(),
-        indexes=create_indexes(plan) if prefix else (),
+        index=create_index_set(plan) if prefix else None,
         lrus=create_lrus(plan) if prefix else (),
-        pinned=tuple(jnp.zeros((plan.pages(g),), jnp.bool_) for g in plan.groups) if prefix else (),
+        pinned=jnp.zeros((pool_layout(plan).total_pages,), jnp.bool_) if prefix else None,
         chain=jnp.zeros((r, CHAIN_WORDS), jnp.uint32),
         namespace=zeros(),
         keyed=jnp.zeros((r,), jnp.bool_),

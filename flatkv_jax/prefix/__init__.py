@@ -4,13 +4,20 @@ and prefix matching. See ``docs/prefix.md``.
 Modules:
 
 - :mod:`~flatkv_jax.prefix.keys`: chained 128-bit block keys from token ids, keyed by a secret seed (+ namespace).
-- :mod:`~flatkv_jax.prefix.index`: :class:`PrefixIndex`, key -> page, first publisher wins.
+- :mod:`~flatkv_jax.prefix.index`: :class:`PrefixIndex`, key -> page, first publisher wins;
+  :class:`PrefixIndexSet`, every group's index in one set of arrays.
 - :mod:`~flatkv_jax.prefix.lru`: :class:`CachedLRU`, eviction order of cached-only pages.
 - :mod:`~flatkv_jax.prefix.match`: :func:`match_prompts`, the common hit across groups.
 """
 
 from flatkv_jax.prefix import index, keys, lru, match
-from flatkv_jax.prefix.index import PrefixIndex, create_index, create_indexes
+from flatkv_jax.prefix.index import (
+    PrefixIndex,
+    PrefixIndexSet,
+    create_index,
+    create_index_set,
+    create_indexes,
+)
 from flatkv_jax.prefix.keys import (
     CHAIN_TOKENS,
     CHAIN_WORDS,
@@ -40,12 +47,14 @@ __all__ = [
     "CachedLRU",
     "MatchLayout",
     "PrefixIndex",
+    "PrefixIndexSet",
     "PrefixMatch",
     "PromptHash",
     "block_keys",
     "chain_lanes",
     "chain_state",
     "create_index",
+    "create_index_set",
     "create_indexes",
     "create_lru",
     "create_lrus",

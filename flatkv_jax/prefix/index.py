@@ -21,7 +21,9 @@ O(N log N) sort of the N-row batch (for first-publisher-wins among duplicates); 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -167,9 +169,13 @@ def _buckets(index: PrefixIndex, k: jax.Array) -> jax.Array:
 
 def _find(index: PrefixIndex, k: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(page int32[N], flat slot int32[N]) of each key; 0 / -1 when absent."""
-    bk = _buckets(index, k)
-    cand_keys = index.keys[bk]  # [N, 2, WAYS, KEY_WORDS]
-    cand_pages = index.pages[bk]  # [N, 2, WAYS]
+    return _find_at(index.keys, index.pages, _buckets(index, k), k)
+
+
+def _find_at(keys: jax.Array, pages: jax.Array, bk: jax.Array, k: jax.Array):
+    """:func:`_find` in the tables ``keys``/``pages`` with explicit bucket pairs ``bk``."""
+    cand_keys = keys[bk]  # [N, 2, WAYS, KEY_WORDS]
+    cand_pages = pages[bk]  # [N, 2, WAYS]
     hit = jnp.all(cand_keys == k[:, None, None, :], axis=-1) & (cand_pages > 0)
     page = jnp.max(jnp.where(hit, cand_pages, 0), axis=(1, 2))
     slots = bk[:, :, None] * WAYS + jnp.arange(WAYS, dtype=jnp.int32)[None, None, :]
@@ -202,42 +208,83 @@ def holds(index: PrefixIndex, pages: jax.Array) -> jax.Array:
     return ok & (index.slot_of_page[jnp.clip(pages, 0, index.num_pages - 1)] >= 0)
 
 
+class _Tables(NamedTuple):
+    """The arrays an insert or a removal writes: an index's, or a set's (every group's)."""
+
+    keys: jax.Array
+    pages: jax.Array
+    slot_of_page: jax.Array
+
+
 def _place(
-    index: PrefixIndex,
+    t: _Tables,
     k: jax.Array,
     pages: jax.Array,
+    addr: jax.Array,
     bucket: jax.Array,
     want: jax.Array,
-    rank: jax.Array | None = None,
-) -> tuple[PrefixIndex, jax.Array]:
+    rank: jax.Array,
+) -> tuple[_Tables, jax.Array]:
     """Writes the wanted rows into free ways of ``bucket``; rows that do not fit are not placed.
 
-    ``rank``: each wanted row's rank among the wanted rows of its bucket (batch order);
-    computed here unless the caller ranked several indexes' rows in one sort."""
-    if rank is None:
-        rank = rank_within(bucket, want)
-    free = index.pages[bucket] == 0  # [N, WAYS]
+    ``addr``: each row's entry in ``slot_of_page`` (its page, offset by its group's pages in a
+    set); ``rank``: each wanted row's rank among the wanted rows of its bucket (batch order)."""
+    free = t.pages[bucket] == 0  # [N, WAYS]
     nth = jnp.cumsum(free.astype(jnp.int32), axis=1)
     placed = want & (rank < nth[:, -1])
     way = jnp.argmax(free & (nth == rank[:, None] + 1), axis=1).astype(jnp.int32)
     slot = bucket * WAYS + way
-    cap = index.capacity
+    cap = t.pages.size
     target = jnp.where(placed, slot, cap)  # cap is out of range: dropped
-    new = PrefixIndex(
-        keys=index.keys.reshape(cap, KEY_WORDS)
-        .at[target]
-        .set(k, mode="drop")
-        .reshape(index.keys.shape),
-        pages=index.pages.reshape(cap)
-        .at[target]
-        .set(pages, mode="drop")
-        .reshape(index.pages.shape),
-        slot_of_page=index.slot_of_page.at[jnp.where(placed, pages, index.num_pages)].set(
+    new = _Tables(
+        keys=t.keys.reshape(cap, KEY_WORDS).at[target].set(k, mode="drop").reshape(t.keys.shape),
+        pages=t.pages.reshape(cap).at[target].set(pages, mode="drop").reshape(t.pages.shape),
+        slot_of_page=t.slot_of_page.at[jnp.where(placed, addr, t.slot_of_page.shape[0])].set(
             slot, mode="drop"
         ),
-        count=index.count + jnp.sum(placed, dtype=jnp.int32),
     )
     return new, placed
+
+
+def _held_at(slot_of_page: jax.Array, addr: jax.Array) -> jax.Array:
+    """bool[N]: ``slot_of_page`` holds an entry at each address (out of range: False)."""
+    n = slot_of_page.shape[0]
+    ok = (addr >= 0) & (addr < n)
+    return ok & (slot_of_page[jnp.clip(addr, 0, n - 1)] >= 0)
+
+
+def _insert(
+    t: _Tables,
+    k: jax.Array,
+    pages: jax.Array,
+    addr: jax.Array,
+    bk: jax.Array,
+    eligible_rows: jax.Array,
+    group: jax.Array | None,
+) -> tuple[_Tables, jax.Array, jax.Array, jax.Array]:
+    """The insert rules over explicit addresses: ``bk`` int32[N, 2] each row's bucket pair,
+    ``addr`` its page's entry in ``slot_of_page``, ``eligible_rows`` the valid rows with a
+    usable page, ``group`` (or None: one index) keeps equal keys of different groups apart.
+
+    Returns ``(tables, taken, held, present)`` (:func:`insert_held`, :func:`insert_mixed`)."""
+    present, _ = _find_at(t.keys, t.pages, bk, k)
+    held = _held_at(t.slot_of_page, addr)
+    eligible = eligible_rows & (present == 0) & ~held
+    # Both duplicate rules are relative to the same eligible set, so the outcome does not
+    # depend on which rule is applied first. Addresses are distinct across groups.
+    tag = () if group is None else (group,)
+    want = eligible & first_occurrence((*tag, *(k[:, w] for w in range(KEY_WORDS))), eligible)
+    want = want & first_occurrence((addr,), eligible)
+    # The less loaded bucket first (loads before the call); rows that overflow it try the
+    # other one.
+    load = jnp.sum(t.pages[bk] > 0, axis=2)  # [N, 2]
+    pick = (load[:, 1] < load[:, 0]).astype(jnp.int32)
+    first = jnp.take_along_axis(bk, pick[:, None], axis=1)[:, 0]
+    second = jnp.take_along_axis(bk, 1 - pick[:, None], axis=1)[:, 0]
+    t, placed1 = _place(t, k, pages, addr, first, want, rank_within(first, want))
+    w2 = want & ~placed1
+    t, placed2 = _place(t, k, pages, addr, second, w2, rank_within(second, w2))
+    return t, placed1 | placed2, held, present
 
 
 def insert(
@@ -279,27 +326,10 @@ def insert_held(
     pages = _per_key("pages", pages, n, "page")
     v = _valid(valid, (n,))
     usable = (pages >= 1) & (pages <= index.num_pages - 2)
-    present, _ = _find(index, k)
-    held = holds(index, pages)
-    eligible = v & usable & (present == 0) & ~held
-    # Both duplicate rules are relative to the same eligible set, so the outcome does not
-    # depend on which rule is applied first.
-    want = eligible & first_occurrence(tuple(k[:, w] for w in range(KEY_WORDS)), eligible)
-    want = want & first_occurrence((pages,), eligible)
-    first, second = _pick_buckets(index, k)
-    index, placed1 = _place(index, k, pages, first, want)
-    index, placed2 = _place(index, k, pages, second, want & ~placed1)
-    return index, placed1 | placed2, held
-
-
-def _pick_buckets(index: PrefixIndex, k: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(first, second) bucket of each key: the less loaded one first (loads before the call)."""
-    bk = _buckets(index, k)
-    load = jnp.sum(index.pages[bk] > 0, axis=2)  # [N, 2]
-    pick = (load[:, 1] < load[:, 0]).astype(jnp.int32)
-    first = jnp.take_along_axis(bk, pick[:, None], axis=1)[:, 0]
-    second = jnp.take_along_axis(bk, 1 - pick[:, None], axis=1)[:, 0]
-    return first, second
+    t = _Tables(index.keys, index.pages, index.slot_of_page)
+    t, taken, held, _ = _insert(t, k, pages, pages, _buckets(index, k), v & usable, None)
+    count = index.count + jnp.sum(taken, dtype=jnp.int32)
+    return PrefixIndex(*t, count=count), taken, held
 
 
 def insert_groups(
@@ -312,12 +342,7 @@ def insert_groups(
     """:func:`insert_held` into several indexes at once: the same result as one call per index.
 
     The rows are the concatenation of each index's rows (``sizes[i]`` rows for
-    ``indexes[i]``, a static split). Lookups and writes stay per index (they touch only its
-    entries), but the batch-wide steps — the two first-publisher-wins rules and the ranks
-    within a bucket — are one sort each over all rows with the index number as the leading
-    column, instead of one sort per index: publishing into every group's index runs 4 sorts,
-    not 4 per group. (The coordinator compacts its sparse rows and uses
-    :func:`insert_mixed`, which takes rows of any index in any order.)
+    ``indexes[i]``, a static split): :func:`insert_mixed` with those group numbers.
 
     Args:
       indexes: the indexes, in order.
@@ -346,45 +371,9 @@ def insert_groups(
             f"one int32 page per key, shape ({n},) = sum(sizes)",
             "pass int32[N] and keys of N rows",
         )
-    v = _valid(valid, (n,))
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    cut = [slice(a, a + m) for a, m in zip(starts, sizes, strict=True)]
-    eligible, held, first, second, b_off = [], [], [], [], 0
-    boff = []
-    for ix, sl in zip(indexes, cut, strict=True):
-        kg, pg = k[sl], pages[sl]
-        usable = (pg >= 1) & (pg <= ix.num_pages - 2)
-        present, _ = _find(ix, kg)
-        h = holds(ix, pg)
-        held.append(h)
-        eligible.append(v[sl] & usable & (present == 0) & ~h)
-        f, s2 = _pick_buckets(ix, kg)
-        first.append(f)
-        second.append(s2)
-        boff.append(b_off)
-        b_off += ix.num_buckets
-    eligible = jnp.concatenate(eligible)
-    held = jnp.concatenate(held)
     gid = jnp.concatenate([jnp.full((m,), i, jnp.int32) for i, m in enumerate(sizes)])
-    want = eligible & first_occurrence((gid, *(k[:, w] for w in range(KEY_WORDS))), eligible)
-    want = want & first_occurrence((gid, pages), eligible)
-    # Buckets numbered across indexes, so one sort ranks every index's rows.
-    first_all = jnp.concatenate([f + o for f, o in zip(first, boff, strict=True)])
-    second_all = jnp.concatenate([f + o for f, o in zip(second, boff, strict=True)])
-    rank1 = rank_within(first_all, want)
-    out, placed1 = [], []
-    for i, (ix, sl) in enumerate(zip(indexes, cut, strict=True)):
-        ix, p1 = _place(ix, k[sl], pages[sl], first[i], want[sl], rank1[sl])
-        out.append(ix)
-        placed1.append(p1)
-    placed1 = jnp.concatenate(placed1)
-    want2 = want & ~placed1
-    rank2 = rank_within(second_all, want2)
-    placed2 = []
-    for i, sl in enumerate(cut):
-        out[i], p2 = _place(out[i], k[sl], pages[sl], second[i], want2[sl], rank2[sl])
-        placed2.append(p2)
-    return tuple(out), placed1 | jnp.concatenate(placed2), held
+    out, taken, held, _ = insert_mixed(indexes, gid, k, pages, valid)
+    return out, taken, held
 
 
 def insert_mixed(
@@ -396,12 +385,10 @@ def insert_mixed(
 ) -> tuple[tuple[PrefixIndex, ...], jax.Array, jax.Array, jax.Array]:
     """:func:`insert_held` into several indexes, row ``i`` into ``indexes[group[i]]``.
 
-    The same result as :func:`insert_groups` on the rows stably sorted by group (first
-    publisher wins per index, in row order), for rows of every index mixed in any order: a
-    caller that compacted a sparse batch (the coordinator publishes a few completed blocks out
-    of ``B x groups`` candidate rows) passes only those rows. Every index looks up every row
-    (``O(N x indexes)`` compares, no sort), so keep ``N`` small; the batch-wide rules are 4
-    sorts of ``N`` rows as in :func:`insert_groups`.
+    The same result as one :func:`insert_held` per index on its rows (first publisher wins
+    per index, in row order), for rows of every index mixed in any order. The indexes are
+    packed into one :class:`PrefixIndexSet` for the call (a copy of every table: for tests
+    and tools; the coordinator keeps its indexes in a set and calls :func:`insert_in`).
 
     Args:
       indexes: the indexes.
@@ -416,40 +403,10 @@ def insert_mixed(
     """
     k = _flat_keys(indexes[0], keys) if indexes else keys
     n = k.shape[0]
-    pages = _per_key("pages", pages, n, "page")
-    group = _per_key("group", group, n, "index number")
-    v = _valid(valid, (n,))
-    eligible = held = jnp.zeros((n,), bool)
-    present = first = second = jnp.zeros((n,), jnp.int32)
-    offsets, b_off = [], 0
-    for g, ix in enumerate(indexes):
-        ours = group == g
-        mine = v & ours
-        pg = jnp.where(ours, pages, 0)
-        usable = (pg >= 1) & (pg <= ix.num_pages - 2)
-        found, _ = _find(ix, k)
-        h = ours & holds(ix, pg)
-        held = held | h
-        present = jnp.where(mine, found, present)
-        eligible = eligible | (mine & usable & (found == 0) & ~h)
-        f, s2 = _pick_buckets(ix, k)
-        first = jnp.where(mine, f + b_off, first)
-        second = jnp.where(mine, s2 + b_off, second)
-        offsets.append(b_off)
-        b_off += ix.num_buckets
-    want = eligible & first_occurrence((group, *(k[:, w] for w in range(KEY_WORDS))), eligible)
-    want = want & first_occurrence((group, pages), eligible)
-    out = list(indexes)
-    placed = jnp.zeros((n,), bool)
-    for buckets in (first, second):
-        w = want & ~placed
-        rank = rank_within(buckets, w)
-        for g, ix in enumerate(out):
-            mine = group == g
-            local = jnp.where(mine, buckets - offsets[g], 0)
-            out[g], p = _place(ix, k, pages, local, w & mine, rank)
-            placed = placed | p
-    return tuple(out), placed, held, jnp.where(v, present, 0)
+    _per_key("pages", pages, n, "page")
+    _per_key("group", group, n, "index number")
+    ixs, taken, held, present = insert_in(pack(indexes), group, k, pages, valid)
+    return unpack(ixs), taken, held, present
 
 
 def remove(
@@ -474,6 +431,15 @@ def remove(
       for every duplicate of such a page). The caller drops one index reference per distinct
       removed page.
     """
+    pages = _pages_1d(pages)
+    v = _valid(valid, pages.shape)
+    t, removed, once = _remove(
+        _Tables(index.keys, index.pages, index.slot_of_page), pages, v, distinct
+    )
+    return PrefixIndex(*t, count=index.count - jnp.sum(once, dtype=jnp.int32)), removed
+
+
+def _pages_1d(pages) -> jax.Array:
     pages = jnp.asarray(pages)
     if pages.ndim != 1 or pages.dtype != jnp.int32:
         fail(
@@ -482,24 +448,29 @@ def remove(
             "pages are int32[N]",
             "pass a flat int32 array",
         )
-    v = _valid(valid, pages.shape)
-    removed = v & holds(index, pages)
-    slot = index.slot_of_page[jnp.clip(pages, 0, index.num_pages - 1)]
-    cap = index.capacity
+    return pages
+
+
+def _remove(
+    t: _Tables, addr: jax.Array, v: jax.Array, distinct: bool
+) -> tuple[_Tables, jax.Array, jax.Array]:
+    """Drops the entries at ``addr`` (entries of ``slot_of_page``); returns the tables, which
+    rows were held and which of them are the first of their address (each counted once)."""
+    removed = v & _held_at(t.slot_of_page, addr)
+    n = t.slot_of_page.shape[0]
+    slot = t.slot_of_page[jnp.clip(addr, 0, n - 1)]
+    cap = t.pages.size
     target = jnp.where(removed, slot, cap)
-    once = removed if distinct else first_occurrence((pages,), removed)
-    new = PrefixIndex(
-        keys=index.keys.reshape(cap, KEY_WORDS)
+    once = removed if distinct else first_occurrence((addr,), removed)
+    new = _Tables(
+        keys=t.keys.reshape(cap, KEY_WORDS)
         .at[target]
         .set(jnp.uint32(0), mode="drop")
-        .reshape(index.keys.shape),
-        pages=index.pages.reshape(cap).at[target].set(0, mode="drop").reshape(index.pages.shape),
-        slot_of_page=index.slot_of_page.at[jnp.where(removed, pages, index.num_pages)].set(
-            -1, mode="drop"
-        ),
-        count=index.count - jnp.sum(once, dtype=jnp.int32),
+        .reshape(t.keys.shape),
+        pages=t.pages.reshape(cap).at[target].set(0, mode="drop").reshape(t.pages.shape),
+        slot_of_page=t.slot_of_page.at[jnp.where(removed, addr, n)].set(-1, mode="drop"),
     )
-    return new, removed
+    return new, removed, once
 
 
 def remove_keys(
@@ -513,3 +484,201 @@ def remove_keys(
     page = jnp.where(v, page, 0)
     index, _ = remove(index, page, page > 0)
     return index, page.reshape(shape)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["keys", "pages", "slot_of_page", "count"],
+    meta_fields=["num_buckets", "num_pages"],
+)
+@dataclasses.dataclass(frozen=True)
+class PrefixIndexSet:
+    """Every group's index in one set of flat arrays (the coordinator's state holds one).
+
+    Group ``g``'s buckets are rows ``[bucket_offset[g], bucket_offset[g] + num_buckets[g])``
+    of ``keys``/``pages``, its pages entries ``[page_offset[g], page_offset[g] +
+    num_pages[g])`` of ``slot_of_page``; slots are flat entries of the whole table. Each
+    group behaves exactly as its own :class:`PrefixIndex` (:func:`view`), but one batched
+    operation serves rows of every group at once: one lookup, one insert, one removal, as
+    many ops as for one group (per-group copies of every op were most of the coordinator's
+    publish and sweep programs) and four state leaves instead of four per group.
+
+    Attributes:
+      keys: uint32[sum(num_buckets), WAYS, KEY_WORDS].
+      pages: int32[sum(num_buckets), WAYS]; an entry's page (of its group's pool), 0 empty.
+      slot_of_page: int32[sum(num_pages)], the flat entry holding each page, or -1.
+      count: int32[G], entries in use per group.
+      num_buckets: static, buckets per group (powers of two).
+      num_pages: static, pages per group's pool.
+    """
+
+    keys: jax.Array
+    pages: jax.Array
+    slot_of_page: jax.Array
+    count: jax.Array
+    num_buckets: tuple[int, ...]
+    num_pages: tuple[int, ...]
+
+    @property
+    def groups(self) -> int:
+        return len(self.num_buckets)
+
+    @property
+    def bucket_offset(self) -> tuple[int, ...]:
+        return _offsets(self.num_buckets)
+
+    @property
+    def page_offset(self) -> tuple[int, ...]:
+        return _offsets(self.num_pages)
+
+
+def _offsets(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    out, at = [], 0
+    for n in sizes:
+        out.append(at)
+        at += n
+    return tuple(out)
+
+
+def create_index_set(plan: CachePlan) -> PrefixIndexSet:
+    """An empty set of every group of ``plan``, each sized as :func:`create_indexes` sizes it."""
+    return pack(create_indexes(plan))
+
+
+def clear_set(ixs: PrefixIndexSet) -> PrefixIndexSet:
+    """An empty set of the same shape (O(capacity + pages): for wake/repair, not per step)."""
+    return pack(tuple(clear(view(ixs, g)) for g in range(ixs.groups)))
+
+
+def pack(indexes: tuple[PrefixIndex, ...]) -> PrefixIndexSet:
+    """The indexes as one set (copies every table; slots renumbered to the set's entries)."""
+    boff = _offsets(tuple(ix.num_buckets for ix in indexes))
+    sop = [
+        jnp.where(ix.slot_of_page >= 0, ix.slot_of_page + o * WAYS, -1)
+        for ix, o in zip(indexes, boff, strict=True)
+    ]
+    return PrefixIndexSet(
+        keys=jnp.concatenate([ix.keys for ix in indexes]),
+        pages=jnp.concatenate([ix.pages for ix in indexes]),
+        slot_of_page=jnp.concatenate(sop),
+        count=jnp.stack([ix.count for ix in indexes]),
+        num_buckets=tuple(ix.num_buckets for ix in indexes),
+        num_pages=tuple(ix.num_pages for ix in indexes),
+    )
+
+
+def view(ixs: PrefixIndexSet, g: int) -> PrefixIndex:
+    """Group ``g`` (static) of the set as a :class:`PrefixIndex` (slices; read-only use)."""
+    b0, nb = ixs.bucket_offset[g], ixs.num_buckets[g]
+    p0, npg = ixs.page_offset[g], ixs.num_pages[g]
+    sop = ixs.slot_of_page[p0 : p0 + npg]
+    return PrefixIndex(
+        keys=ixs.keys[b0 : b0 + nb],
+        pages=ixs.pages[b0 : b0 + nb],
+        slot_of_page=jnp.where(sop >= 0, sop - b0 * WAYS, -1),
+        count=ixs.count[g],
+    )
+
+
+def unpack(ixs: PrefixIndexSet) -> tuple[PrefixIndex, ...]:
+    """Every group of the set as its own :class:`PrefixIndex` (:func:`view` of each)."""
+    return tuple(view(ixs, g) for g in range(ixs.groups))
+
+
+def _address(ixs: PrefixIndexSet, group: jax.Array, k: jax.Array | None, pages: jax.Array):
+    """Per row of ``group``: whether the group exists, the bucket pair of its key in the set
+    (``None`` without keys), the page's entry in ``slot_of_page`` (out of range for a page
+    outside its pool) and whether the page is usable (``1 .. num_pages - 2``)."""
+    g_n = ixs.groups
+    known = (group >= 0) & (group < g_n)
+    gi = jnp.clip(group, 0, g_n - 1)
+    npg = jnp.asarray(ixs.num_pages, jnp.int32)[gi]
+    total = sum(ixs.num_pages)
+    in_pool = known & (pages >= 0) & (pages < npg)
+    addr = jnp.where(in_pool, jnp.asarray(ixs.page_offset, jnp.int32)[gi] + pages, total)
+    usable = known & (pages >= 1) & (pages <= npg - 2)
+    bk = None
+    if k is not None:
+        mask = (jnp.asarray(ixs.num_buckets, jnp.int32)[gi] - 1).astype(jnp.uint32)
+        b0 = jnp.asarray(ixs.bucket_offset, jnp.int32)[gi]
+        bk = jnp.stack([k[:, 0] & mask, k[:, 1] & mask], axis=1).astype(jnp.int32)
+        bk = bk + b0[:, None]
+    return known, bk, addr, usable
+
+
+def _as_group(group, n: int) -> jax.Array:
+    if isinstance(group, int) and not isinstance(group, bool):
+        return jnp.full((n,), group, jnp.int32)
+    return _per_key("group", group, n, "group number")
+
+
+def lookup_in(ixs: PrefixIndexSet, group, keys: jax.Array, valid=None) -> jax.Array:
+    """:func:`lookup` in the set: each key in its row's group (``group``: an int for every
+    row, or int32[N] per flattened key). Returns int32[...], the page, 0 on a miss."""
+    shape = keys.shape[:-1]
+    k = _flat_keys(ixs, keys)
+    n = k.shape[0]
+    known, bk, _, _ = _address(ixs, _as_group(group, n), k, jnp.zeros((n,), jnp.int32))
+    page, _ = _find_at(ixs.keys, ixs.pages, bk, k)
+    return jnp.where(_valid(valid, shape) & known, page, 0).reshape(shape)
+
+
+def holds_in(ixs: PrefixIndexSet, group, pages: jax.Array) -> jax.Array:
+    """:func:`holds` in the set: bool[N], whether each page's group index holds it."""
+    pages = _pages_1d(jnp.asarray(pages, jnp.int32))
+    _, _, addr, _ = _address(ixs, _as_group(group, pages.shape[0]), None, pages)
+    return _held_at(ixs.slot_of_page, addr)
+
+
+def insert_in(
+    ixs: PrefixIndexSet, group, keys: jax.Array, pages: jax.Array, valid: jax.Array | None = None
+) -> tuple[PrefixIndexSet, jax.Array, jax.Array, jax.Array]:
+    """:func:`insert_held` in the set, row ``i`` into group ``group[i]`` (rows of an unknown
+    group are ignored): the result of one :func:`insert_held` per group on its rows, in row
+    order, for rows of every group mixed in any order.
+
+    Args:
+      ixs: the set.
+      group: int32[N] (or an int for every row).
+      keys: uint32[N, KEY_WORDS].
+      pages: int32[N], pages of each row's own group's pool.
+      valid: optional bool[N].
+
+    Returns:
+      ``(ixs, taken, held, present)``: as :func:`insert_held` per row, plus int32[N], the
+      page holding each valid row's key in its group before the call (0: none).
+    """
+    k = _flat_keys(ixs, keys)
+    n = k.shape[0]
+    pages = _per_key("pages", pages, n, "page")
+    group = _as_group(group, n)
+    v = _valid(valid, (n,))
+    known, bk, addr, usable = _address(ixs, group, k, pages)
+    v = v & known
+    t = _Tables(ixs.keys, ixs.pages, ixs.slot_of_page)
+    t, taken, held, present = _insert(t, k, pages, addr, bk, v & usable, group)
+    count = ixs.count.at[jnp.where(taken, group, ixs.groups)].add(1, mode="drop")
+    new = PrefixIndexSet(*t, count=count, num_buckets=ixs.num_buckets, num_pages=ixs.num_pages)
+    return new, taken, held & known, jnp.where(v, present, 0)
+
+
+def remove_in(
+    ixs: PrefixIndexSet,
+    group,
+    pages: jax.Array,
+    valid: jax.Array | None = None,
+    *,
+    distinct: bool = False,
+) -> tuple[PrefixIndexSet, jax.Array]:
+    """:func:`remove` in the set: drops the entries holding each row's page in its group.
+
+    Returns ``(ixs, removed)`` as :func:`remove` (``distinct`` likewise)."""
+    pages = _pages_1d(pages)
+    n = pages.shape[0]
+    group = _as_group(group, n)
+    known, _, addr, _ = _address(ixs, group, None, pages)
+    v = _valid(valid, (n,)) & known
+    t, removed, once = _remove(_Tables(ixs.keys, ixs.pages, ixs.slot_of_page), addr, v, distinct)
+    count = ixs.count.at[jnp.where(once, group, ixs.groups)].add(-1, mode="drop")
+    new = PrefixIndexSet(*t, count=count, num_buckets=ixs.num_buckets, num_pages=ixs.num_pages)
+    return new, removed

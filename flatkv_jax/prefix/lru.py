@@ -371,12 +371,13 @@ def evictable(lru: CachedLRU) -> jax.Array:
 
 def evict(
     lru: CachedLRU,
-    index: index_lib.PrefixIndex,
+    index: index_lib.PrefixIndex | None,
     n: jax.Array,
     *,
     max_pages: int,
     pinned: jax.Array | None = None,
-) -> tuple[CachedLRU, index_lib.PrefixIndex, jax.Array, jax.Array]:
+    pin_offset: int = 0,
+) -> tuple[CachedLRU, index_lib.PrefixIndex | None, jax.Array, jax.Array]:
     """Evicts the ``n`` least recently released cached-only pages (LRU first).
 
     Their index entries are removed; the pages leave the index and the LRU with refcount 0,
@@ -384,13 +385,18 @@ def evict(
 
     Args:
       lru: the pool's LRU.
-      index: the same pool's prefix index.
+      index: the same pool's prefix index, or None: the caller removes the pages from its
+        index (the coordinator removes every pool's evicted pages from its
+        :class:`~flatkv_jax.prefix.index.PrefixIndexSet` in one call).
       n: int32[] pages wanted; clipped to ``[0, min(count, max_pages)]`` (with ``pinned``,
         pages beyond the unpinned ones are simply not found).
       max_pages: static bound on pages per call (the output width).
       pinned: optional bool[num_pages]: pages that must not be evicted (matched by the
         admission in progress). They keep their place in the LRU order: the head stops at the
         first pinned entry and the pages evicted behind it leave stale entries.
+      pin_offset: static; page ``p``'s flag is ``pinned[pin_offset + p]`` (``pinned`` may be
+        the mask of every pool, as the coordinator's: a slice of it passed into the loop
+        would be copied).
 
     Returns:
       ``(lru, index, pages, evicted)``: ``pages`` int32[max_pages] in LRU order, padded with -1;
@@ -410,7 +416,7 @@ def evict(
     def body(carry):
         cursor, head, stopped, out, got = carry
         page, live = _live(lru, cursor + j, j < lru.tail - cursor)
-        keep = live & pinned[page] if pinned is not None else jnp.zeros_like(live)
+        keep = live & pinned[pin_offset + page] if pinned is not None else jnp.zeros_like(live)
         live = live & ~keep
         nth = jnp.cumsum(live.astype(jnp.int32))
         take = live & (nth <= n - got)
@@ -450,6 +456,7 @@ def evict(
         head=head,
         count=lru.count - got,
     )
-    # Each cached-only page has one live ring entry: the evicted pages are distinct.
-    index, _ = index_lib.remove(index, out, taken, distinct=True)
+    if index is not None:
+        # Each cached-only page has one live ring entry: the evicted pages are distinct.
+        index, _ = index_lib.remove(index, out, taken, distinct=True)
     return lru, index, out, got

@@ -221,7 +221,7 @@ def _window_ends(layout: MatchLayout, gm: GroupMatch) -> tuple[np.ndarray, np.nd
 
 def match_prompts(
     layout: MatchLayout,
-    indexes: tuple[index_lib.PrefixIndex, ...],
+    indexes: tuple[index_lib.PrefixIndex, ...] | index_lib.PrefixIndexSet,
     tokens: jax.Array,
     lengths: jax.Array,
     namespace,
@@ -233,7 +233,8 @@ def match_prompts(
 
     Args:
       layout: :meth:`MatchLayout.for_plan` for the plan and ``tokens.shape[1]``.
-      indexes: one :class:`~flatkv_jax.prefix.index.PrefixIndex` per plan group.
+      indexes: one :class:`~flatkv_jax.prefix.index.PrefixIndex` per plan group, or every
+        group's in one :class:`~flatkv_jax.prefix.index.PrefixIndexSet` (one batched lookup).
       tokens: int32[B, L] prompt token ids (``L == layout.max_len``), padded beyond ``lengths``.
       lengths: int32[B] prompt lengths.
       namespace: uint32[2] or uint32[B, 2] (or an int / pair).
@@ -252,10 +253,11 @@ def match_prompts(
             "build it with MatchLayout.for_plan",
             exc=TypeError,
         )
-    if len(indexes) != len(layout.groups):
+    n_ix = indexes.groups if isinstance(indexes, index_lib.PrefixIndexSet) else len(indexes)
+    if n_ix != len(layout.groups):
         fail(
             "indexes",
-            len(indexes),
+            n_ix,
             f"one index per group ({len(layout.groups)})",
             "pass create_indexes(plan)",
         )
@@ -280,14 +282,20 @@ def match_prompts(
         lengths = jnp.where(valid, lengths, 0)
     hashed = keys_lib.chain_lanes(tokens, lengths, namespace, seed=seed, unit=layout.unit)
 
-    def look(idx, ends):
-        keys, ok = keys_lib.keys_at(hashed.lanes, layout.unit, lengths, namespace, ends.reshape(-1))
-        return index_lib.lookup(idx, keys, ok).reshape(bsz, *ends.shape)
+    # Every group's lookups first: with a PrefixIndexSet they are one batched lookup (rows of
+    # every group at once), with a tuple of indexes one per group.
+    wanted = {}
+    for g, gm in enumerate(layout.groups):
+        if not gm.is_window:
+            wanted[g] = ((np.arange(gm.slots) + 1) * gm.block_tokens).astype(np.int32)
+        elif gm.need:
+            wanted[g] = _window_ends(layout, gm)[0]
+    looked = _lookups(indexes, hashed.lanes, layout.unit, lengths, namespace, wanted)
 
     hist, win, rows = [], [], []
-    for gm, idx in zip(layout.groups, indexes, strict=True):
+    for g, gm in enumerate(layout.groups):
         if not gm.is_window:
-            pages = look(idx, ((np.arange(gm.slots) + 1) * gm.block_tokens).astype(np.int32))
+            pages = looked[g]
             hist.append(history_run(pages))
             win.append(None)
             rows.append(pages)
@@ -299,13 +307,12 @@ def match_prompts(
             hist.append(None)
             rows.append(jnp.zeros((bsz, layout.candidates, 0), jnp.int32))
             continue
-        ends, blocks, direct = _window_ends(layout, gm)
-        looked = look(idx, ends)
+        _, blocks, direct = _window_ends(layout, gm)
         if direct:
-            per_cand = looked
+            per_cand = looked[g]
         else:
             per_cand = jnp.take(
-                looked, np.clip(blocks, 0, max(gm.slots - 1, 0)).reshape(-1), axis=1
+                looked[g], np.clip(blocks, 0, max(gm.slots - 1, 0)).reshape(-1), axis=1
             )
             per_cand = per_cand.reshape(bsz, *blocks.shape)
         win.append(window_ok(per_cand, jnp.asarray(blocks >= 0)))
@@ -340,3 +347,29 @@ def match_prompts(
     state = keys_lib.chain_state(hashed, hit)
     state = jnp.where((hit > 0)[:, None], state, jnp.uint32(0))
     return PrefixMatch(hit=hit, pages=tuple(out), state=state, listed=tuple(listed))
+
+
+def _lookups(indexes, lanes, unit: int, lengths, namespace, wanted: dict) -> dict:
+    """Pages of the prefixes ending at ``wanted[g]`` (static int32 arrays of ends) in group
+    ``g``'s index, per group: ``int32[B, *ends.shape]`` (0: a miss or an invalid end)."""
+    if not wanted:
+        return {}
+    b = lengths.shape[0]
+    flat = {g: ends.reshape(-1) for g, ends in wanted.items()}
+    if isinstance(indexes, index_lib.PrefixIndexSet):
+        ends = np.concatenate(list(flat.values()))
+        group = np.concatenate([np.full(e.size, g, np.int32) for g, e in flat.items()])
+        keys, ok = keys_lib.keys_at(lanes, unit, lengths, namespace, ends)
+        pages = index_lib.lookup_in(
+            indexes, jnp.asarray(np.broadcast_to(group, (b, group.size)).reshape(-1)), keys, ok
+        )
+        out, at = {}, 0
+        for g, e in flat.items():
+            out[g] = pages[:, at : at + e.size].reshape(b, *wanted[g].shape)
+            at += e.size
+        return out
+    out = {}
+    for g, e in flat.items():
+        keys, ok = keys_lib.keys_at(lanes, unit, lengths, namespace, e)
+        out[g] = index_lib.lookup(indexes[g], keys, ok).reshape(b, *wanted[g].shape)
+    return out

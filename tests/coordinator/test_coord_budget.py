@@ -28,6 +28,7 @@ from flatkv_jax.coordinator import (
     step_metadata,
 )
 from flatkv_jax.coordinator.metadata import step_metadata_fn
+from flatkv_jax.prefix.index import create_index_set
 from flatkv_jax.recipes import full_attention_groups
 from flatkv_jax.status import Status
 
@@ -153,6 +154,23 @@ def test_a_reshaped_state_array_is_refused():
     with pytest.raises(
         ValueError,
         match=r"state.extent='int32\[3\]' is invalid: extend was given a plan whose state has int32\[4\] there. Fix: pass the state create_state\(plan\) built",
+    ):
+        ops.extend_fn(PLAN, state, host.extend_batch(PLAN, [((0, 0), 1)]))
+
+
+def test_a_prefix_index_or_pin_mask_of_other_pools_is_refused():
+    """The prefix state is flat across groups (one index set, one pin mask): one sized for
+    other pools would address the wrong pages; caught while tracing."""
+    state = dataclasses.replace(create_state(PLAN), index=create_index_set(OTHER))
+    with pytest.raises(
+        ValueError,
+        match=r"state='a state whose prefix index has pools of \(66,\) pages' is invalid: the plan has 1 groups of \(34,\) pages \(an index and an LRU per group\). Fix: create the state with create_state\(plan\)",
+    ):
+        ops.extend_fn(PLAN, state, host.extend_batch(PLAN, [((0, 0), 1)]))
+    state = dataclasses.replace(create_state(PLAN), pinned=jnp.zeros((3,), bool))
+    with pytest.raises(
+        ValueError,
+        match=r"state.pinned='bool\[3\]' is invalid: extend was given a plan whose state has bool\[34\] there",
     ):
         ops.extend_fn(PLAN, state, host.extend_batch(PLAN, [((0, 0), 1)]))
 

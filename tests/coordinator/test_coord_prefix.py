@@ -283,7 +283,7 @@ def test_state_without_prefix_index_runs_the_same_lifecycle():
     prefix state driven without tokens, and everything freed at the end."""
     lean, full = PrefixDriver(prefix=False), PrefixDriver()
     assert not lean.state.prefix and full.state.prefix
-    assert lean.state.indexes == () and lean.state.lrus == () and lean.state.pinned == ()
+    assert lean.state.indexes == () and lean.state.lrus == () and lean.state.pinned is None
     assert len(jax.tree.leaves(lean.state)) < len(jax.tree.leaves(full.state))
     for d in (lean, full):
         _lifecycle(d, with_tokens=False)

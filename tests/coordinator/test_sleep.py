@@ -211,7 +211,7 @@ def test_discard_then_wake_repairs_the_state_and_never_serves_a_stale_hit():
     # refcount keeps the index's reference with no holder left.
     naive = dataclasses.replace(
         jax.tree.map(jnp.copy, loop.state),
-        indexes=tuple(index_lib.clear(ix) for ix in loop.state.indexes),
+        index=index_lib.clear_set(loop.state.index),
         lrus=lru_lib.create_lrus(PLAN),
     )
     with pytest.raises(

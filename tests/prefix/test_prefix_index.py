@@ -265,9 +265,9 @@ def test_insert_groups_equals_one_insert_per_index():
         )
 
 
-def test_insert_mixed_equals_insert_groups():
+def test_insert_mixed_equals_one_insert_per_index():
     """Rows of several indexes interleaved in any order (the coordinator's compacted publish
-    chunks) give insert_groups' result on the same rows grouped, within-index order kept:
+    chunks) give one insert_held per index on its rows, within-index order kept:
     duplicates, overflowing buckets, keys present, pages held; ``present`` is the lookup
     before the call."""
     rng = np.random.default_rng(3)
@@ -290,7 +290,10 @@ def test_insert_mixed_equals_insert_groups():
             vs.append(jnp.asarray(rng.random(n) < 0.85))
         keys, pages, valid = jnp.concatenate(ks), jnp.concatenate(ps), jnp.concatenate(vs)
         group = np.repeat(np.arange(len(sizes)), sizes).astype(np.int32)
-        want_ix, want_taken, want_held = I.insert_groups(indexes, sizes, keys, pages, valid)
+        want = [I.insert_held(ix, k, p, v) for ix, k, p, v in zip(indexes, ks, ps, vs, strict=True)]
+        want_ix = [w[0] for w in want]
+        want_taken = np.concatenate([w[1] for w in want])
+        want_held = np.concatenate([w[2] for w in want])
         # Interleave: a random order that keeps each index's rows in their order.
         pos = {g: iter(np.flatnonzero(group == g)) for g in range(len(sizes))}
         gseq = rng.permutation(group)
@@ -318,3 +321,78 @@ def test_insert_mixed_equals_insert_groups():
         I.insert_mixed(
             indexes, jnp.zeros(3, jnp.int32), shared[:3], jnp.ones(2, jnp.int32), jnp.ones(3, bool)
         )
+
+
+def _same_index(a, b):
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_index_set_equals_one_index_per_group():
+    """A PrefixIndexSet (every group's tables in one set of arrays, the coordinator's state)
+    behaves as one PrefixIndex per group: inserts of rows of every group interleaved, lookups,
+    holds and removals (duplicates, overflowing buckets, pages outside a pool, unknown groups)
+    give each group's own results, and its views are those indexes, counts included."""
+    rng = np.random.default_rng(5)
+    pool = (30, 10, 60, 25)
+    indexes = tuple(
+        I.create_index(p, num_buckets=b) for p, b in zip(pool, (2, 4, 8, 2), strict=True)
+    )
+    shared = _keys(64, seed=13)
+    ixs = I.pack(indexes)
+    assert (ixs.num_buckets, ixs.num_pages, ixs.bucket_offset) == (
+        (2, 4, 8, 2),
+        pool,
+        (0, 2, 6, 14),
+    )
+    assert len(jax.tree_util.tree_leaves(ixs)) == 4  # whatever the number of groups
+    insert_in, remove_in = jax.jit(I.insert_in), jax.jit(I.remove_in, static_argnames="distinct")
+    for trial in range(4):
+        n = 90
+        group = rng.integers(-1, len(pool) + 1, n).astype(np.int32)  # -1 and 4: unknown
+        keys = shared[rng.integers(0, 40, n)]
+        pages = np.array(
+            [rng.integers(-1, pool[g] + 2) if 0 <= g < len(pool) else 3 for g in group]
+        )
+        pages = jnp.asarray(pages, jnp.int32)
+        valid = jnp.asarray(rng.random(n) < 0.85)
+        ixs, taken, held, present = insert_in(ixs, jnp.asarray(group), keys, pages, valid)
+        for g, ix in enumerate(indexes):
+            mine = np.flatnonzero(group == g)
+            before = I.lookup(ix, keys[mine], valid[mine])
+            ix, t, h = I.insert_held(ix, keys[mine], pages[mine], valid[mine])
+            np.testing.assert_array_equal(np.asarray(taken)[mine], np.asarray(t))
+            np.testing.assert_array_equal(np.asarray(held)[mine], np.asarray(h))
+            np.testing.assert_array_equal(np.asarray(present)[mine], np.asarray(before))
+            _same_index(I.view(ixs, g), ix)
+            _check_consistent(I.view(ixs, g))
+            np.testing.assert_array_equal(
+                np.asarray(I.lookup_in(ixs, g, shared, None)), np.asarray(I.lookup(ix, shared))
+            )
+            probe = jnp.arange(-1, pool[g] + 1, dtype=jnp.int32)
+            np.testing.assert_array_equal(
+                np.asarray(I.holds_in(ixs, g, probe)), np.asarray(I.holds(ix, probe))
+            )
+        unknown = (group < 0) | (group >= len(pool))
+        assert not np.asarray(taken)[unknown].any() and not np.asarray(present)[unknown].any()
+        assert np.asarray(taken).any() and not np.asarray(taken).all(), trial
+        indexes = I.unpack(ixs)
+        # Removal: some held pages (listed twice), some not.
+        rg = rng.integers(0, len(pool), 30).astype(np.int32)
+        rp = jnp.asarray([rng.integers(0, pool[g]) for g in rg], jnp.int32)
+        ixs, removed = remove_in(ixs, jnp.asarray(rg), rp, None)
+        for g, ix in enumerate(indexes):
+            mine = np.flatnonzero(rg == g)
+            ix, r = I.remove(ix, rp[mine])
+            np.testing.assert_array_equal(np.asarray(removed)[mine], np.asarray(r))
+            _same_index(I.view(ixs, g), ix)
+        indexes = I.unpack(ixs)
+    _same_index(I.pack(I.unpack(ixs)), ixs)
+    cleared = I.clear_set(ixs)
+    assert not np.asarray(cleared.count).any() and not np.asarray(cleared.pages).any()
+    with pytest.raises(ValueError, match="one int32 group number per key"):
+        I.insert_in(ixs, jnp.zeros(3), shared[:3], jnp.ones(3, jnp.int32))
+    with pytest.raises(ValueError, match="one int32 page per key"):
+        I.insert_in(ixs, 0, shared[:3], jnp.ones(2, jnp.int32))
+    with pytest.raises(ValueError, match="pages are int32"):
+        I.remove_in(ixs, 0, jnp.ones((2, 2), jnp.int32))
