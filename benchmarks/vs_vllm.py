@@ -268,7 +268,7 @@ class OracleShadow:
     def check_counts(self, step, state):
         c = self.oracle.counts()
         free = np.asarray(state.allocator.top)
-        cached = np.array([int(lr.count) for lr in state.lrus])
+        cached = np.asarray(state.lru.count)
         if not (np.array_equal(c.free, free) and np.array_equal(c.cached_only, cached)):
             raise SystemExit(
                 f"oracle: step {step}: pool counts differ: free device {free.tolist()} "
@@ -357,7 +357,7 @@ class Run:
     def in_use(self) -> np.ndarray:
         """Pages held by requests per pool (cached-only pages count as free)."""
         top = np.asarray(self.state.allocator.top)
-        cached = np.array([int(lr.count) for lr in self.state.lrus])
+        cached = np.asarray(self.state.lru.count)
         usable = np.array([self.plan.usable_pages(g) for g in self.plan.groups])
         return usable - top - cached
 

@@ -57,7 +57,7 @@ def grow(
     needs = jnp.where(want[:, None], needs, 0)
     top = state.allocator.top
     if state.prefix:
-        cached = jnp.stack([lr.count for lr in state.lrus])
+        cached = state.lru.count
         pc = jnp.zeros((n_g,), _I32) if pinned_cached is None else pinned_cached
         served, short_group, short_pages, total = fit(needs, want, evictable_pages(top, cached, pc))
         short = jnp.maximum(total - top, 0)
@@ -89,25 +89,19 @@ def grow(
 def evict(plan: CachePlan, state: CacheState, n: jax.Array, max_pages: int) -> CacheState:
     """Evicts ``n[g]`` LRU cached-only (unpinned) pages of every pool: they leave the index,
     lose its reference and go onto the free stack (the caller pops them right away)."""
-    lrus, out = [], []
+    lru, out = state.lru, []
     off = pool_layout(plan).page_offset
     for g in range(len(plan.groups)):
-        lr, _, pages, _ = lru_lib.evict(
-            state.lrus[g],
-            None,
-            n[g],
-            max_pages=max_pages,
-            pinned=state.pinned,
-            pin_offset=off[g],
+        lru, pages, _ = lru_lib.evict_in(
+            lru, g, n[g], max_pages=max_pages, pinned=state.pinned, pin_offset=off[g]
         )
-        lrus.append(lr)
         out.append(pages)
     group = jnp.repeat(jnp.arange(len(plan.groups), dtype=_I32), max_pages)
     pages = jnp.concatenate(out)
     # Every pool's evicted pages leave the index in one removal (each popped once: distinct).
     index, _ = index_lib.remove_in(state.index, group, pages, pages >= 0, distinct=True)
     pools, _ = decref(state.allocator, pool_layout(plan), group, pages)
-    return replace(state, allocator=pools, lrus=tuple(lrus), index=index)
+    return replace(state, allocator=pools, lru=lru, index=index)
 
 
 def zero_lists(got: Allocation) -> jax.Array:
@@ -151,7 +145,7 @@ def sweep(
     def body(i, carry):
         # The index is only read, but rides in the carry: a loop-invariant operand that is
         # also live after the loop makes XLA copy it (its slot_of_page, every call).
-        pools, tables, lrus, index = carry
+        pools, tables, lru, index = carry
         e = i * chunk + jnp.arange(chunk, dtype=_I32)
         on = e < total
         q = segment_rows(excl, length, i * chunk, chunk)
@@ -174,22 +168,22 @@ def sweep(
         now_cached = held & (pages > 0) & (left == 1)
         # Every pool's pushes in one batched release; most chunks push nothing at all: skip
         # it then. No page listed twice: no dedupe (sort) either.
-        if lrus:  # none without a prefix index
-            lrus = jax.lax.cond(
+        if lru is not None:  # none without a prefix index
+            lru = jax.lax.cond(
                 jnp.any(now_cached),
-                lambda lr: lru_lib.cache_groups(lr, gq, pages, now_cached, repeats=repeated),
+                lambda lr: lru_lib.cache_in(lr, gq, pages, now_cached, repeats=repeated),
                 lambda lr: lr,
-                lrus,
+                lru,
             )
-        return pools, tables, lrus, index
+        return pools, tables, lru, index
 
-    pools, tables, lrus, index = jax.lax.fori_loop(
+    pools, tables, lru, index = jax.lax.fori_loop(
         0,
         ceil_div(total, chunk),
         body,
-        (state.allocator, state.table_buffer, state.lrus, state.index),
+        (state.allocator, state.table_buffer, state.lru, state.index),
     )
-    return replace(state, allocator=pools, table_buffer=tables, lrus=lrus, index=index)
+    return replace(state, allocator=pools, table_buffer=tables, lru=lru, index=index)
 
 
 def free_now(plan: CachePlan, state: CacheState, s: jax.Array, mask: jax.Array) -> CacheState:

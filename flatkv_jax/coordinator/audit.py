@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from flatkv_jax.coordinator.state import CacheState, table
 from flatkv_jax.plan import CachePlan
 from flatkv_jax.prefix import index as index_lib
+from flatkv_jax.prefix import lru as lru_lib
 
 
 class StateInvariantError(AssertionError):
@@ -87,6 +89,9 @@ def check_state(plan: CachePlan, state: CacheState, *, shared_ok: bool = False) 
     n, c = np.asarray(state.extent), np.asarray(state.committed)
     flen, pend = np.asarray(state.fifo_len), np.asarray(state.pending)
     lo_all, hi_all = np.asarray(state.lo), np.asarray(state.hi)
+    # The prefix sets on the host once; each group's view is then a few NumPy slices.
+    index_host = jax.tree.map(np.asarray, state.index) if state.prefix else None
+    lru_host = jax.tree.map(np.asarray, state.lru) if state.prefix else None
     for gi, (g, ref) in enumerate(zip(plan.groups, refs, strict=True)):
         usable = plan.usable_pages(g)
         top = int(state.allocator.top[gi])
@@ -99,7 +104,7 @@ def check_state(plan: CachePlan, state: CacheState, *, shared_ok: bool = False) 
             bad(f"{g.name}: the null or scratch page has a refcount")
         indexed = np.zeros(plan.pages(g), np.int64)
         if state.prefix:
-            ix = index_lib.view(state.index, gi)
+            ix = index_lib.view(index_host, gi)
             ipages = np.asarray(ix.pages).reshape(-1)
             sop = np.asarray(ix.slot_of_page)
             np.add.at(indexed, ipages[ipages > 0], 1)
@@ -118,7 +123,7 @@ def check_state(plan: CachePlan, state: CacheState, *, shared_ok: bool = False) 
                 f" + index references {indexed[p]}"
             )
         if state.prefix:
-            lr = state.lrus[gi]
+            lr = lru_lib.view(lru_host, gi)
             cached = np.asarray(lr.cached)
             if not np.array_equal(cached, (indexed > 0) & (ref == 0)):
                 bad(f"{g.name}: the LRU's cached pages are not the indexed pages without tables")

@@ -232,7 +232,7 @@ def _check_shapes(plan: CachePlan, state: CacheState, op: str) -> None:
     expect += [(n, getattr(state, n), (r, d), _INT) for n in _PER_STEP]
     if prefix:
         ix = state.index
-        if not (ix.num_pages == tuple(plan.num_pages) and len(state.lrus) == g):
+        if not (ix.num_pages == tuple(plan.num_pages) == state.lru.num_pages):
             fail(
                 "state",
                 f"a state whose prefix index has pools of {ix.num_pages} pages",
@@ -246,6 +246,12 @@ def _check_shapes(plan: CachePlan, state: CacheState, op: str) -> None:
             ("index.pages", ix.pages, (nb, WAYS), _INT),
             ("index.slot_of_page", ix.slot_of_page, (sum(plan.num_pages),), _INT),
             ("index.count", ix.count, (g,), _INT),
+            ("lru.ring", state.lru.ring, (sum(state.lru.ring_sizes),), _INT),
+            ("lru.seq_of_page", state.lru.seq_of_page, (sum(plan.num_pages),), "uint32"),
+            ("lru.cached", state.lru.cached, (sum(plan.num_pages),), _BOOL),
+            ("lru.head", state.lru.head, (g,), "uint32"),
+            ("lru.tail", state.lru.tail, (g,), "uint32"),
+            ("lru.count", state.lru.count, (g,), _INT),
         ]
         expect += [("pinned", state.pinned, (pools.total_pages,), _BOOL)]
     for name, x, shape, dtype in expect:

@@ -50,11 +50,15 @@ def pin(plan: CachePlan, state: CacheState, m, rows: jax.Array, on: bool):
     addr = _pin_address(plan, group, pages, listed)
     pinned = state.pinned.at[addr].set(on, mode="drop")
     distinct = first_occurrence((group, pages), listed)
-    cached = []
-    for g in range(len(plan.groups)):
-        in_lru = state.lrus[g].cached[jnp.clip(pages, 0, plan.num_pages[g] - 1)]
-        cached.append(jnp.sum(distinct & (group == g) & listed & in_lru, dtype=_I32))
-    return replace(state, pinned=pinned), jnp.stack(cached), (group, pages)
+    # The LRU set's per-page arrays use the pools' page offsets, as the pin mask does.
+    in_lru = state.lru.cached[jnp.clip(addr, 0, state.lru.cached.shape[0] - 1)]
+    n_g = len(plan.groups)
+    cached = (
+        jnp.zeros((n_g,), _I32)
+        .at[jnp.clip(group, 0, n_g - 1)]
+        .add((distinct & listed & in_lru).astype(_I32))
+    )
+    return replace(state, pinned=pinned), cached, (group, pages)
 
 
 def _pin_address(plan: CachePlan, group: jax.Array, pages: jax.Array, listed: jax.Array):
@@ -74,14 +78,14 @@ def take_hits(plan: CachePlan, state: CacheState, m, s: jax.Array, served, listi
     # Always False (a count is never negative), but it depends on what the eviction cond
     # computed: that orders the cond's reads of the mask before this in-place write
     # (otherwise XLA copies the whole mask).
-    clear = jnp.broadcast_to(jnp.stack([lr.count for lr in state.lrus]).min() < 0, pages.shape)
+    clear = jnp.broadcast_to(state.lru.count.min() < 0, pages.shape)
     pinned = state.pinned.at[_pin_address(plan, group, pages, listed)].set(clear, mode="drop")
     take_rows = jnp.concatenate(
         [jnp.broadcast_to(served[:, None], p.shape).reshape(-1) for p in m.listed]
     )
     took = listed & take_rows
     # Every pool's hit pages leave its LRU in one batched take (one dedupe for the listing).
-    lrus = lru_lib.take_groups(state.lrus, group, pages, took)
+    lru = lru_lib.take_in(state.lru, group, pages, took)
     pools = incref(state.allocator, pool_layout(plan), group, jnp.where(took, pages, -1))
     tables = state.table_buffer
     for g, p in enumerate(m.pages):
@@ -92,7 +96,7 @@ def take_hits(plan: CachePlan, state: CacheState, m, s: jax.Array, served, listi
         val = p[:, :cols]
         ok = served[:, None] & (val >= 0)
         tables = tables.at[jnp.where(ok, idx, table_size(plan))].set(val, mode="drop")
-    return replace(state, pinned=pinned, lrus=tuple(lrus), allocator=pools, table_buffer=tables)
+    return replace(state, pinned=pinned, lru=lru, allocator=pools, table_buffer=tables)
 
 
 def publish_blocks(
@@ -142,7 +146,8 @@ def publish_blocks(
     total = jnp.sum(offered.valid, dtype=_I32)
     order = jnp.nonzero(offered.valid, size=n, fill_value=n)[0].astype(_I32)
     order = jnp.pad(order, (0, -n % k), constant_values=n)
-    marks = tuple((lr.cached, lr.count) for lr in state.lrus)
+    marks = (state.lru.cached, state.lru.count)
+    lru_layout = state.lru  # its static layout only (no array of it enters the cond)
 
     def body(i, carry):
         pools, index, marks, tables = carry
@@ -161,7 +166,9 @@ def publish_blocks(
         # writes (an LRU's ring passed through a cond is copied by XLA).
         pools, marks, tables = jax.lax.cond(
             jnp.any(others),
-            lambda pl, mk, tb: _share_blocks(plan, pl, mk, tb, c, taken, present, keys, others),
+            lambda pl, mk, tb: _share_blocks(
+                plan, lru_layout, pl, mk, tb, c, taken, present, keys, others
+            ),
             lambda pl, mk, tb: (pl, mk, tb),
             pools,
             marks,
@@ -175,11 +182,8 @@ def publish_blocks(
         body,
         (state.allocator, state.index, marks, state.table_buffer),
     )
-    lrus = tuple(
-        dataclasses.replace(lr, cached=cached, count=count)
-        for lr, (cached, count) in zip(state.lrus, marks, strict=True)
-    )
-    return replace(state, allocator=pools, index=index, lrus=lrus, table_buffer=tables)
+    lru = dataclasses.replace(state.lru, cached=marks[0], count=marks[1])
+    return replace(state, allocator=pools, index=index, lru=lru, table_buffer=tables)
 
 
 def publish_chunk(n: int) -> int:
@@ -197,7 +201,9 @@ def _flatten(blocks: list[_Blocks]) -> _Blocks:
     )
 
 
-def _share_blocks(plan: CachePlan, pools, marks, tables, o: _Blocks, taken, present, keys, others):
+def _share_blocks(
+    plan: CachePlan, lru_layout, pools, marks, tables, o: _Blocks, taken, present, keys, others
+):
     """Rows whose key another page holds switch their table entry to that page; ``marks``
     are the LRUs' ``(cached, count)`` (taking a page touches nothing else)."""
     layout = pool_layout(plan)
@@ -214,7 +220,7 @@ def _share_blocks(plan: CachePlan, pools, marks, tables, o: _Blocks, taken, pres
     # table's; never indexed) drops to 0 and is freed. Listings stay grouped by pool.
     pools = incref(pools, layout, o.group, jnp.where(share, holder, -1))
     pools, _ = decref(pools, layout, o.group, jnp.where(share, o.page, -1))
-    marks = lru_lib.take_marks(marks, o.group, holder, share)
+    marks = lru_lib.take_marks_in(lru_layout, marks, o.group, holder, share)
     idx = jnp.where(share, o.table_index, table_size(plan))
     return pools, marks, tables.at[idx].set(holder, mode="drop")
 

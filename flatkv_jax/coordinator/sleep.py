@@ -248,7 +248,7 @@ def repair_fn(plan: CachePlan, state: CacheState) -> tuple[CacheState, jax.Array
     if state.prefix:
         # With no table reference left, every indexed page is cached-only: evicting all of
         # them empties the index and the LRU and puts the pages on the free stacks.
-        counts = jnp.stack([lr.count for lr in state.lrus])
+        counts = state.lru.count
         state = evict(plan, state, counts, max(plan.usable_pages(g) for g in plan.groups))
     return state, was_live, old_gen
 

@@ -47,7 +47,8 @@ from flatkv_jax.errors import check_positive_int, fail
 from flatkv_jax.plan import CachePlan
 from flatkv_jax.prefix.index import PrefixIndex, PrefixIndexSet, create_index_set, unpack
 from flatkv_jax.prefix.keys import CHAIN_WORDS, new_seed, seed_words
-from flatkv_jax.prefix.lru import CachedLRU, create_lrus
+from flatkv_jax.prefix.lru import CachedLRU, CachedLRUSet, create_lru_set
+from flatkv_jax.prefix.lru import unpack as unpack_lrus
 
 _I32 = jnp.int32
 
@@ -85,7 +86,7 @@ class PoolView(NamedTuple):
     data_fields=[
         "allocator", "table_buffer", "lo", "hi", "generation", "live", "pending", "extent",
         "committed", "fifo_start", "fifo_count", "fifo_cap", "fifo_head", "fifo_len",
-        "index", "lrus", "pinned", "chain", "namespace", "keyed", "fifo_tokens",
+        "index", "lru", "pinned", "chain", "namespace", "keyed", "fifo_tokens",
         "key_seed",
     ],
     meta_fields=["layout"],
@@ -111,7 +112,9 @@ class CacheState:
       index: every group's prefix index (key -> page) in one
         :class:`~flatkv_jax.prefix.index.PrefixIndexSet` (``None`` without prefix caching);
         per-group views: :attr:`indexes`.
-      lrus: per group, its :class:`~flatkv_jax.prefix.lru.CachedLRU` (cached-only pages).
+      lru: every pool's LRU of cached-only pages in one
+        :class:`~flatkv_jax.prefix.lru.CachedLRUSet` (``None`` without prefix caching);
+        per-group views: :attr:`lrus`.
       pinned: ``bool[total pages]`` (pool ``g``'s pages at its ``page_offset``, as the
         allocator's refcounts; ``None`` without prefix caching), all False between calls
         (admit's scratch mask of
@@ -141,7 +144,7 @@ class CacheState:
     fifo_head: jax.Array
     fifo_len: jax.Array
     index: PrefixIndexSet | None
-    lrus: tuple[CachedLRU, ...]
+    lru: CachedLRUSet | None
     pinned: jax.Array | None
     chain: jax.Array
     namespace: jax.Array
@@ -190,6 +193,12 @@ class CacheState:
         """Per group, its index as a :class:`~flatkv_jax.prefix.index.PrefixIndex` (views of
         :attr:`index`, for reading; ``()`` without prefix caching)."""
         return () if self.index is None else unpack(self.index)
+
+    @property
+    def lrus(self) -> tuple[CachedLRU, ...]:
+        """Per group, its LRU as a :class:`~flatkv_jax.prefix.lru.CachedLRU` (views of
+        :attr:`lru`, for reading; ``()`` without prefix caching)."""
+        return () if self.lru is None else unpack_lrus(self.lru)
 
 
 def create_state(
@@ -259,7 +268,7 @@ def create_state(
         fifo_head=zeros(),
         fifo_len=zeros(),
         index=create_index_set(plan) if prefix else None,
-        lrus=create_lrus(plan) if prefix else (),
+        lru=create_lru_set(plan) if prefix else None,
         pinned=jnp.zeros((pool_layout(plan).total_pages,), jnp.bool_) if prefix else None,
         chain=jnp.zeros((r, CHAIN_WORDS), jnp.uint32),
         namespace=zeros(),

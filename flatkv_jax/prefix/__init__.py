@@ -6,7 +6,8 @@ Modules:
 - :mod:`~flatkv_jax.prefix.keys`: chained 128-bit block keys from token ids, keyed by a secret seed (+ namespace).
 - :mod:`~flatkv_jax.prefix.index`: :class:`PrefixIndex`, key -> page, first publisher wins;
   :class:`PrefixIndexSet`, every group's index in one set of arrays.
-- :mod:`~flatkv_jax.prefix.lru`: :class:`CachedLRU`, eviction order of cached-only pages.
+- :mod:`~flatkv_jax.prefix.lru`: :class:`CachedLRU`, eviction order of cached-only pages;
+  :class:`CachedLRUSet`, every pool's LRU in one set of arrays.
 - :mod:`~flatkv_jax.prefix.match`: :func:`match_prompts`, the common hit across groups.
 """
 
@@ -35,7 +36,7 @@ from flatkv_jax.prefix.keys import (
     new_seed,
     seed_words,
 )
-from flatkv_jax.prefix.lru import CachedLRU, create_lru, create_lrus
+from flatkv_jax.prefix.lru import CachedLRU, CachedLRUSet, create_lru, create_lru_set, create_lrus
 from flatkv_jax.prefix.match import MatchLayout, PrefixMatch, match_prompts
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "LANES",
     "SEED_WORDS",
     "CachedLRU",
+    "CachedLRUSet",
     "MatchLayout",
     "PrefixIndex",
     "PrefixIndexSet",
@@ -57,6 +59,7 @@ __all__ = [
     "create_index_set",
     "create_indexes",
     "create_lru",
+    "create_lru_set",
     "create_lrus",
     "extend_chain",
     "index",

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flatkv_jax.errors import check_positive_int, fail
 from flatkv_jax.plan import RESERVED_PAGES, CachePlan, check_plan
@@ -533,11 +535,8 @@ class PrefixIndexSet:
 
 
 def _offsets(sizes: tuple[int, ...]) -> tuple[int, ...]:
-    out, at = [], 0
-    for n in sizes:
-        out.append(at)
-        at += n
-    return tuple(out)
+    """Where each block of ``sizes`` starts when they are laid end to end."""
+    return tuple(itertools.accumulate((0, *sizes[:-1])))
 
 
 def create_index_set(plan: CachePlan) -> PrefixIndexSet:
@@ -572,10 +571,12 @@ def view(ixs: PrefixIndexSet, g: int) -> PrefixIndex:
     b0, nb = ixs.bucket_offset[g], ixs.num_buckets[g]
     p0, npg = ixs.page_offset[g], ixs.num_pages[g]
     sop = ixs.slot_of_page[p0 : p0 + npg]
+    # NumPy arrays stay NumPy (an audit slices a host copy without device ops).
+    where = np.where if isinstance(sop, np.ndarray) else jnp.where
     return PrefixIndex(
         keys=ixs.keys[b0 : b0 + nb],
         pages=ixs.pages[b0 : b0 + nb],
-        slot_of_page=jnp.where(sop >= 0, sop - b0 * WAYS, -1),
+        slot_of_page=where(sop >= 0, sop - b0 * WAYS, -1),
         count=ixs.count[g],
     )
 

@@ -26,12 +26,17 @@ Eviction pops the first ``n`` live entries (a ``lax.while_loop`` over chunks of 
 the head): O(entries popped), each stale entry popped once in its life, so O(1) amortised.
 :attr:`CachedLRU.count` is the number of cached-only pages; read it (no mutation) to decide
 whether an allocation can succeed before evicting anything.
+
+:class:`CachedLRUSet` holds every pool's LRU in one set of flat arrays (the coordinator's
+state): one push or take serves rows of every pool. The single-LRU functions are the set's
+with one pool (the same arrays, reshaped), so both share one implementation.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -162,13 +167,6 @@ def _group_arg(group, pages) -> tuple[jax.Array, jax.Array]:
     return group, pages
 
 
-def _live(lru: CachedLRU, seq: jax.Array, in_range: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(page, live) of the ring entries at sequences ``seq``."""
-    page = lru.ring[(seq & jnp.uint32(lru.ring_size - 1)).astype(jnp.int32)]
-    live = in_range & lru.cached[page] & (lru.seq_of_page[page] == seq)
-    return page, live
-
-
 #: Ring entries one iteration of :func:`compact` moves (its temporaries are this size).
 COMPACT_CHUNK = 4096
 
@@ -185,31 +183,7 @@ def compact(lru: CachedLRU, chunk: int = COMPACT_CHUNK) -> CachedLRU:
       chunk: static, ring entries per loop iteration (clipped to the ring size).
     """
     check_positive_int("chunk", chunk)
-    r = lru.ring_size
-    chunk = min(r, chunk)
-    j = jnp.arange(chunk, dtype=jnp.uint32)
-    n = lru.tail - lru.head
-
-    def body(carry):
-        i, kept, ring, seq_of_page = carry
-        pos = i + j
-        now = dataclasses.replace(lru, ring=ring, seq_of_page=seq_of_page)
-        page, live = _live(now, lru.head + pos, pos < n)
-        seq = lru.head + kept + jnp.cumsum(live.astype(jnp.uint32), dtype=jnp.uint32) - 1
-        slot = jnp.where(live, (seq & jnp.uint32(r - 1)).astype(jnp.int32), r)
-        return (
-            i + jnp.uint32(chunk),
-            kept + jnp.sum(live, dtype=jnp.uint32),
-            ring.at[slot].set(page, mode="drop"),
-            seq_of_page.at[jnp.where(live, page, lru.num_pages)].set(seq, mode="drop"),
-        )
-
-    _, kept, ring, seq_of_page = jax.lax.while_loop(
-        lambda c: c[0] < n,
-        body,
-        (jnp.zeros((), jnp.uint32), jnp.zeros((), jnp.uint32), lru.ring, lru.seq_of_page),
-    )
-    return dataclasses.replace(lru, ring=ring, seq_of_page=seq_of_page, tail=lru.head + kept)
+    return _one(_compact_pool(_as_set(lru), 0, chunk))
 
 
 def cache(lru: CachedLRU, pages: jax.Array, valid: jax.Array | None = None) -> CachedLRU:
@@ -227,7 +201,7 @@ def cache(lru: CachedLRU, pages: jax.Array, valid: jax.Array | None = None) -> C
       The new LRU.
     """
     pages, valid = _pages_arg(lru, pages, valid)
-    return _push(lru, pages, last_occurrence((pages,), valid))
+    return _one(cache_in(_as_set(lru), jnp.zeros(pages.shape, jnp.int32), pages, valid))
 
 
 def cache_groups(
@@ -239,8 +213,9 @@ def cache_groups(
     repeats: jax.Array | bool = True,
 ) -> tuple[CachedLRU, ...]:
     """:func:`cache` into several LRUs at once: the same result as one call per LRU
-    (``lrus[g]`` gets the rows with ``group == g``, in batch order), with one sort for the
-    whole batch instead of one per LRU.
+    (``lrus[g]`` gets the rows with ``group == g``, in batch order). The LRUs are packed into
+    one :class:`CachedLRUSet` for the call (a copy: for tests and tools; the coordinator keeps
+    a set and calls :func:`cache_in`).
 
     Args:
       lrus: the pools' LRUs.
@@ -253,45 +228,7 @@ def cache_groups(
         promise corrupts the LRU.
     """
     group, pages = _group_arg(group, pages)
-    usable = jnp.zeros(pages.shape, bool)
-    for g, lr in enumerate(lrus):
-        _, ok = _pages_arg(lr, pages, valid & (group == g))
-        usable = usable | ok
-    if repeats is True:
-        push_all = last_occurrence((group, pages), usable)
-    else:
-        push_all = jax.lax.cond(
-            jnp.asarray(repeats),
-            lambda u: last_occurrence((group, pages), u),
-            lambda u: u,
-            usable,
-        )
-    return tuple(_push(lr, pages, push_all & (group == g)) for g, lr in enumerate(lrus))
-
-
-def _push(lru: CachedLRU, pages: jax.Array, push: jax.Array) -> CachedLRU:
-    """The writes of :func:`cache` for rows ``push`` (each page's last valid row)."""
-    n_push = jnp.sum(push, dtype=jnp.uint32)
-    lru = jax.lax.cond(
-        lru.tail - lru.head + n_push > jnp.uint32(lru.ring_size), compact, lambda x: x, lru
-    )
-    was = lru.cached[jnp.clip(pages, 0, lru.num_pages - 1)]
-    new_pages = jnp.sum(push & ~was, dtype=jnp.int32)
-    seq = lru.tail + jnp.cumsum(push.astype(jnp.uint32), dtype=jnp.uint32) - jnp.uint32(1)
-    r = lru.ring_size
-    slot = jnp.where(push, (seq & jnp.uint32(r - 1)).astype(jnp.int32), r)
-    target = jnp.where(push, pages, lru.num_pages)
-    return dataclasses.replace(
-        lru,
-        ring=lru.ring.at[slot].set(pages, mode="drop"),
-        seq_of_page=lru.seq_of_page.at[target].set(seq, mode="drop"),
-        # The value (True wherever written) depends on the read of `cached` and on the
-        # compaction's result (`seq`), which orders both reads before the in-place write;
-        # otherwise XLA copies the whole array.
-        cached=lru.cached.at[target].set(push | was | (seq == 0), mode="drop"),
-        tail=lru.tail + n_push,
-        count=lru.count + new_pages,
-    )
+    return unpack(cache_in(pack(lrus), group, pages, valid, repeats=repeats))
 
 
 def take(
@@ -323,8 +260,8 @@ def take_groups(
     lrus: tuple[CachedLRU, ...], group: jax.Array, pages: jax.Array, valid: jax.Array
 ) -> tuple[CachedLRU, ...]:
     """:func:`take` from several LRUs at once: the same LRUs as one call per LRU
-    (``lrus[g]`` loses the rows with ``group == g``), with one sort for the whole batch
-    instead of one per LRU.
+    (``lrus[g]`` loses the rows with ``group == g``); packed into a :class:`CachedLRUSet`
+    for the call, as :func:`cache_groups`.
 
     Args:
       lrus: the pools' LRUs.
@@ -332,36 +269,8 @@ def take_groups(
       pages: int32[N], pages of that LRU's pool (duplicates and pages not in the LRU are fine).
       valid: bool[N].
     """
-    marks = take_marks(tuple((lr.cached, lr.count) for lr in lrus), group, pages, valid)
-    return tuple(
-        dataclasses.replace(lr, cached=c, count=n) for lr, (c, n) in zip(lrus, marks, strict=True)
-    )
-
-
-def take_marks(
-    marks: tuple[tuple[jax.Array, jax.Array], ...],
-    group: jax.Array,
-    pages: jax.Array,
-    valid: jax.Array,
-) -> tuple[tuple[jax.Array, jax.Array], ...]:
-    """:func:`take_groups` on the only fields a take writes, each LRU's ``(cached, count)``:
-    a caller inside a ``lax.cond`` passes just these (the ring passed through a cond is
-    copied by XLA). Same arguments as :func:`take_groups`; returns the new marks."""
     group, pages = _group_arg(group, pages)
-    was = []
-    for g, (cached, _) in enumerate(marks):
-        n = cached.shape[0]
-        ok = valid & (group == g) & _usable(pages, n)
-        was.append(ok & cached[jnp.clip(pages, 0, n - 1)])
-    was_any = functools.reduce(jnp.logical_or, was, jnp.zeros(pages.shape, bool))
-    first = first_occurrence((group, pages), was_any)
-    out = []
-    for (cached, count), w in zip(marks, was, strict=True):
-        n = cached.shape[0]
-        gone = jnp.sum(first & w, dtype=jnp.int32)
-        target = jnp.where(w, jnp.clip(pages, 0, n - 1), n)
-        out.append((cached.at[target].set(False, mode="drop"), count - gone))
-    return tuple(out)
+    return unpack(take_in(pack(lrus), group, pages, valid))
 
 
 def evictable(lru: CachedLRU) -> jax.Array:
@@ -402,31 +311,303 @@ def evict(
       ``(lru, index, pages, evicted)``: ``pages`` int32[max_pages] in LRU order, padded with -1;
       ``evicted`` int32[] how many.
     """
-    check_nonnegative_int("max_pages", max_pages)
-    n = jnp.clip(jnp.asarray(n, jnp.int32), 0, jnp.minimum(lru.count, max_pages))
-    if max_pages == 0:
-        return lru, index, jnp.zeros((0,), jnp.int32), jnp.zeros((), jnp.int32)
-    chunk = min(max(max_pages, 64), lru.ring_size)
+    got_set, out, got = evict_in(
+        _as_set(lru), 0, n, max_pages=max_pages, pinned=pinned, pin_offset=pin_offset
+    )
+    if index is not None:
+        # Each cached-only page has one live ring entry: the evicted pages are distinct.
+        index, _ = index_lib.remove(index, out, out >= 0, distinct=True)
+    return _one(got_set), index, out, got
+
+
+def _as_set(lru: CachedLRU) -> CachedLRUSet:
+    """``lru`` as a one-pool set: the same arrays, the scalars as ``[1]`` (reshapes only, so
+    a donated LRU is still updated in place)."""
+    return CachedLRUSet(
+        ring=lru.ring,
+        seq_of_page=lru.seq_of_page,
+        cached=lru.cached,
+        head=lru.head.reshape(1),
+        tail=lru.tail.reshape(1),
+        count=lru.count.reshape(1),
+        ring_sizes=(lru.ring_size,),
+        num_pages=(lru.num_pages,),
+    )
+
+
+def _one(lrus: CachedLRUSet) -> CachedLRU:
+    """The only pool of a one-pool set (:func:`_as_set`'s inverse)."""
+    return CachedLRU(
+        ring=lrus.ring,
+        seq_of_page=lrus.seq_of_page,
+        cached=lrus.cached,
+        head=lrus.head.reshape(()),
+        tail=lrus.tail.reshape(()),
+        count=lrus.count.reshape(()),
+    )
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["ring", "seq_of_page", "cached", "head", "tail", "count"],
+    meta_fields=["ring_sizes", "num_pages"],
+)
+@dataclasses.dataclass(frozen=True)
+class CachedLRUSet:
+    """Every pool's LRU in one set of flat arrays (the coordinator's state holds one).
+
+    Pool ``g``'s ring is ``ring[ring_offset[g] : ring_offset[g] + ring_sizes[g]]``, its
+    per-page arrays ``seq_of_page``/``cached`` at ``page_offset[g]`` (as the allocator's
+    refcounts); ``head``, ``tail`` and ``count`` are per pool. Each pool behaves exactly as its
+    own :class:`CachedLRU` (:func:`view`), but a push or a take of rows of every pool is one
+    batched update (six state leaves, not six per pool).
+
+    Attributes:
+      ring: int32[sum(ring_sizes)].
+      seq_of_page: uint32[sum(num_pages)].
+      cached: bool[sum(num_pages)].
+      head, tail: uint32[G].
+      count: int32[G].
+      ring_sizes, num_pages: static, per pool.
+    """
+
+    ring: jax.Array
+    seq_of_page: jax.Array
+    cached: jax.Array
+    head: jax.Array
+    tail: jax.Array
+    count: jax.Array
+    ring_sizes: tuple[int, ...]
+    num_pages: tuple[int, ...]
+
+    @property
+    def groups(self) -> int:
+        return len(self.ring_sizes)
+
+    @property
+    def ring_offset(self) -> tuple[int, ...]:
+        return tuple(itertools.accumulate((0, *self.ring_sizes[:-1])))
+
+    @property
+    def page_offset(self) -> tuple[int, ...]:
+        return tuple(itertools.accumulate((0, *self.num_pages[:-1])))
+
+
+def create_lru_set(plan: CachePlan) -> CachedLRUSet:
+    """An empty set of every pool of ``plan``, each sized as :func:`create_lrus` sizes it."""
+    return pack(create_lrus(plan))
+
+
+def pack(lrus: tuple[CachedLRU, ...]) -> CachedLRUSet:
+    """The LRUs as one set (copies every array)."""
+    return CachedLRUSet(
+        ring=jnp.concatenate([lr.ring for lr in lrus]),
+        seq_of_page=jnp.concatenate([lr.seq_of_page for lr in lrus]),
+        cached=jnp.concatenate([lr.cached for lr in lrus]),
+        head=jnp.stack([lr.head for lr in lrus]),
+        tail=jnp.stack([lr.tail for lr in lrus]),
+        count=jnp.stack([lr.count for lr in lrus]),
+        ring_sizes=tuple(lr.ring_size for lr in lrus),
+        num_pages=tuple(lr.num_pages for lr in lrus),
+    )
+
+
+def view(lrus: CachedLRUSet, g: int) -> CachedLRU:
+    """Pool ``g`` (static) of the set as a :class:`CachedLRU` (slices; read-only use)."""
+    r0, p0 = lrus.ring_offset[g], lrus.page_offset[g]
+    r, n = lrus.ring_sizes[g], lrus.num_pages[g]
+    return CachedLRU(
+        ring=lrus.ring[r0 : r0 + r],
+        seq_of_page=lrus.seq_of_page[p0 : p0 + n],
+        cached=lrus.cached[p0 : p0 + n],
+        head=lrus.head[g],
+        tail=lrus.tail[g],
+        count=lrus.count[g],
+    )
+
+
+def unpack(lrus: CachedLRUSet) -> tuple[CachedLRU, ...]:
+    """Every pool of the set as its own :class:`CachedLRU` (:func:`view` of each)."""
+    return tuple(view(lrus, g) for g in range(lrus.groups))
+
+
+def _set_address(lrus: CachedLRUSet, group: jax.Array, pages: jax.Array):
+    """Per row: the pool number clipped, whether the page is a usable page of a known pool,
+    and its entry in the per-page arrays (out of range where it is not)."""
+    g_n = lrus.groups
+    known = (group >= 0) & (group < g_n)
+    gi = jnp.clip(group, 0, g_n - 1)
+    npg = jnp.asarray(lrus.num_pages, jnp.int32)[gi]
+    usable = known & _usable(pages, npg)
+    addr = jnp.where(
+        usable, jnp.asarray(lrus.page_offset, jnp.int32)[gi] + pages, sum(lrus.num_pages)
+    )
+    return gi, usable, addr
+
+
+def _per_pool_sum(x: jax.Array, group: jax.Array, g_n: int, dtype) -> jax.Array:
+    return jnp.zeros((g_n,), dtype).at[group].add(x.astype(dtype), mode="drop")
+
+
+def cache_in(
+    lrus: CachedLRUSet,
+    group: jax.Array,
+    pages: jax.Array,
+    valid: jax.Array,
+    *,
+    repeats: jax.Array | bool = True,
+) -> CachedLRUSet:
+    """:func:`cache_groups` on the set: pool ``group[i]`` gets row ``i`` (rows of an unknown
+    pool and reserved pages are ignored), in batch order; the result of one :func:`cache` per
+    pool. ``repeats`` as for :func:`cache_groups`."""
+    group, pages = _group_arg(group, pages)
+    gi, usable, addr = _set_address(lrus, group, pages)
+    usable = usable & valid
+    if repeats is True:
+        push = last_occurrence((group, pages), usable)
+    else:
+        push = jax.lax.cond(
+            jnp.asarray(repeats), lambda u: last_occurrence((group, pages), u), lambda u: u, usable
+        )
+    g_n = lrus.groups
+    n_push = _per_pool_sum(push, gi, g_n, jnp.uint32)
+    sizes = jnp.asarray(lrus.ring_sizes, jnp.uint32)
+    lrus = jax.lax.cond(
+        jnp.any(lrus.tail - lrus.head + n_push > sizes),
+        lambda x: _compact_overflowing(x, n_push),
+        lambda x: x,
+        lrus,
+    )
+    was = lrus.cached[jnp.clip(addr, 0, lrus.cached.shape[0] - 1)]
+    new_pages = _per_pool_sum(push & ~was, gi, g_n, jnp.int32)
+    # Each row's sequence: its pool's tail + its rank among the pool's pushed rows.
+    mine = (gi[:, None] == jnp.arange(g_n, dtype=jnp.int32)[None, :]) & push[:, None]
+    rank = jnp.take_along_axis(jnp.cumsum(mine.astype(jnp.uint32), axis=0), gi[:, None], 1)[:, 0]
+    seq = lrus.tail[gi] + rank - jnp.uint32(1)
+    r_total = lrus.ring.shape[0]
+    in_ring = (seq & (sizes[gi] - jnp.uint32(1))).astype(jnp.int32)
+    slot = jnp.where(push, jnp.asarray(lrus.ring_offset, jnp.int32)[gi] + in_ring, r_total)
+    target = jnp.where(push, addr, lrus.cached.shape[0])
+    return dataclasses.replace(
+        lrus,
+        ring=lrus.ring.at[slot].set(pages, mode="drop"),
+        seq_of_page=lrus.seq_of_page.at[target].set(seq, mode="drop"),
+        # The value (True wherever written) depends on the read of `cached` and on the
+        # compaction's result (`seq`), which orders both reads before the in-place write;
+        # otherwise XLA copies the whole array.
+        cached=lrus.cached.at[target].set(push | was | (seq == 0), mode="drop"),
+        tail=lrus.tail + n_push,
+        count=lrus.count + new_pages,
+    )
+
+
+def _compact_overflowing(lrus: CachedLRUSet, n_push: jax.Array) -> CachedLRUSet:
+    """:func:`compact` of every pool whose push of ``n_push[g]`` would overflow its ring."""
+    for g in range(lrus.groups):
+        over = lrus.tail[g] - lrus.head[g] + n_push[g] > jnp.uint32(lrus.ring_sizes[g])
+        lrus = jax.lax.cond(over, lambda x, g=g: _compact_pool(x, g), lambda x: x, lrus)
+    return lrus
+
+
+def _compact_pool(lrus: CachedLRUSet, g: int, chunk: int = COMPACT_CHUNK) -> CachedLRUSet:
+    """:func:`compact` of pool ``g`` (static) of the set, in place."""
+    r, r0, p0 = lrus.ring_sizes[g], lrus.ring_offset[g], lrus.page_offset[g]
+    chunk = min(r, chunk)
     j = jnp.arange(chunk, dtype=jnp.uint32)
+    head, n = lrus.head[g], lrus.tail[g] - lrus.head[g]
+    n_pages = lrus.cached.shape[0]
+
+    def body(carry):
+        i, kept, ring, seq_of_page = carry
+        pos = i + j
+        seq_at = head + pos
+        page = ring[r0 + (seq_at & jnp.uint32(r - 1)).astype(jnp.int32)]
+        live = (pos < n) & lrus.cached[p0 + page] & (seq_of_page[p0 + page] == seq_at)
+        seq = head + kept + jnp.cumsum(live.astype(jnp.uint32), dtype=jnp.uint32) - 1
+        slot = jnp.where(live, r0 + (seq & jnp.uint32(r - 1)).astype(jnp.int32), ring.shape[0])
+        return (
+            i + jnp.uint32(chunk),
+            kept + jnp.sum(live, dtype=jnp.uint32),
+            ring.at[slot].set(page, mode="drop"),
+            seq_of_page.at[jnp.where(live, p0 + page, n_pages)].set(seq, mode="drop"),
+        )
+
+    _, kept, ring, seq_of_page = jax.lax.while_loop(
+        lambda c: c[0] < n,
+        body,
+        (jnp.zeros((), jnp.uint32), jnp.zeros((), jnp.uint32), lrus.ring, lrus.seq_of_page),
+    )
+    return dataclasses.replace(
+        lrus, ring=ring, seq_of_page=seq_of_page, tail=lrus.tail.at[g].set(head + kept)
+    )
+
+
+def take_in(
+    lrus: CachedLRUSet, group: jax.Array, pages: jax.Array, valid: jax.Array
+) -> CachedLRUSet:
+    """:func:`take_groups` on the set (one pass for every pool)."""
+    cached, count = take_marks_in(lrus, (lrus.cached, lrus.count), group, pages, valid)
+    return dataclasses.replace(lrus, cached=cached, count=count)
+
+
+def take_marks_in(
+    lrus: CachedLRUSet,
+    marks: tuple[jax.Array, jax.Array],
+    group: jax.Array,
+    pages: jax.Array,
+    valid: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`take_in` on the only fields a take writes, ``(cached, count)`` (a caller inside
+    a ``lax.cond`` passes just these: the ring passed through a cond is copied by XLA);
+    ``lrus`` gives the layout only."""
+    group, pages = _group_arg(group, pages)
+    cached, count = marks
+    gi, usable, addr = _set_address(lrus, group, pages)
+    was = valid & usable & cached[jnp.clip(addr, 0, cached.shape[0] - 1)]
+    gone = _per_pool_sum(first_occurrence((group, pages), was), gi, lrus.groups, jnp.int32)
+    cached = cached.at[jnp.where(was, addr, cached.shape[0])].set(False, mode="drop")
+    return cached, count - gone
+
+
+def evict_in(
+    lrus: CachedLRUSet,
+    g: int,
+    n: jax.Array,
+    *,
+    max_pages: int,
+    pinned: jax.Array | None = None,
+    pin_offset: int = 0,
+) -> tuple[CachedLRUSet, jax.Array, jax.Array]:
+    """:func:`evict` from pool ``g`` (static) of the set; the caller removes the pages from
+    the index. Returns ``(lrus, pages, evicted)``."""
+    check_nonnegative_int("max_pages", max_pages)
+    r, r0, p0 = lrus.ring_sizes[g], lrus.ring_offset[g], lrus.page_offset[g]
+    n = jnp.clip(jnp.asarray(n, jnp.int32), 0, jnp.minimum(lrus.count[g], max_pages))
+    if max_pages == 0:
+        return lrus, jnp.zeros((0,), jnp.int32), jnp.zeros((), jnp.int32)
+    chunk = min(max(max_pages, 64), r)
+    j = jnp.arange(chunk, dtype=jnp.uint32)
+    tail = lrus.tail[g]
 
     def cond(carry):
         cursor, _, _, _, got = carry
-        return (got < n) & (cursor != lru.tail)
+        return (got < n) & (cursor != tail)
 
     def body(carry):
         cursor, head, stopped, out, got = carry
-        page, live = _live(lru, cursor + j, j < lru.tail - cursor)
+        seq_at = cursor + j
+        page = lrus.ring[r0 + (seq_at & jnp.uint32(r - 1)).astype(jnp.int32)]
+        live = (
+            (j < tail - cursor) & lrus.cached[p0 + page] & (lrus.seq_of_page[p0 + page] == seq_at)
+        )
         keep = live & pinned[pin_offset + page] if pinned is not None else jnp.zeros_like(live)
         live = live & ~keep
         nth = jnp.cumsum(live.astype(jnp.int32))
         take = live & (nth <= n - got)
         out = out.at[jnp.where(take, got + nth - 1, max_pages)].set(page, mode="drop")
         done = nth[-1] >= n - got
-        last = jnp.argmax(take & (nth == n - got)).astype(jnp.uint32)  # entry of the final page
-        step = jnp.where(
-            done, last + jnp.uint32(1), jnp.minimum(jnp.uint32(chunk), lru.tail - cursor)
-        )
-        # The head may not pass a pinned live entry (it must stay in the ring).
+        last = jnp.argmax(take & (nth == n - got)).astype(jnp.uint32)
+        step = jnp.where(done, last + jnp.uint32(1), jnp.minimum(jnp.uint32(chunk), tail - cursor))
         kept = keep & (j < step)
         head = jnp.where(
             stopped,
@@ -441,22 +622,22 @@ def evict(
             got + jnp.sum(take, dtype=jnp.int32),
         )
 
+    h0 = lrus.head[g]
     init = (
-        lru.head,
-        lru.head,
+        h0,
+        h0,
         jnp.zeros((), bool),
         jnp.full((max_pages,), -1, jnp.int32),
         jnp.zeros((), jnp.int32),
     )
     _, head, _, out, got = jax.lax.while_loop(cond, body, init)
     taken = out >= 0
-    lru = dataclasses.replace(
-        lru,
-        cached=lru.cached.at[jnp.where(taken, out, lru.num_pages)].set(False, mode="drop"),
-        head=head,
-        count=lru.count - got,
+    lrus = dataclasses.replace(
+        lrus,
+        cached=lrus.cached.at[jnp.where(taken, p0 + out, lrus.cached.shape[0])].set(
+            False, mode="drop"
+        ),
+        head=lrus.head.at[g].set(head),
+        count=lrus.count.at[g].add(-got),
     )
-    if index is not None:
-        # Each cached-only page has one live ring entry: the evicted pages are distinct.
-        index, _ = index_lib.remove(index, out, taken, distinct=True)
-    return lru, index, out, got
+    return lrus, out, got

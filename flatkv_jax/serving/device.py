@@ -421,10 +421,7 @@ def step_body(graphdef, plan: CachePlan, kind: StepKind):
             return _scatter(r, row_lane, on, v, fill)
 
         top = state.allocator.top
-        if kind.prefix:
-            cached = jnp.stack([lru.count for lru in state.lrus]).astype(_I32)
-        else:
-            cached = jnp.zeros((ng,), _I32)
+        cached = state.lru.count.astype(_I32) if kind.prefix else jnp.zeros((ng,), _I32)
         report = {
             "tokens": by_lane(jnp.where(jd[None, :] < emitted[:, None], emit_tok, -1), -1),
             "emitted": by_lane(emitted),

@@ -212,7 +212,7 @@ def test_discard_then_wake_repairs_the_state_and_never_serves_a_stale_hit():
     naive = dataclasses.replace(
         jax.tree.map(jnp.copy, loop.state),
         index=index_lib.clear_set(loop.state.index),
-        lrus=lru_lib.create_lrus(PLAN),
+        lru=lru_lib.create_lru_set(PLAN),
     )
     with pytest.raises(
         audit.StateInvariantError,

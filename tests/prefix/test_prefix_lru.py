@@ -314,3 +314,70 @@ def test_take_groups_equals_one_take_per_lru():
     assert sum(int(lr.count) for lr in lrus) < sum(p - 2 for p in pool)
     with pytest.raises(ValueError, match="one int32 LRU number per page"):
         L.take_groups(lrus, jnp.zeros((3,), jnp.int32), _pages(1, 2), jnp.ones(2, bool))
+
+
+def _same(a, b):
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_lru_set_equals_one_lru_per_pool():
+    """A CachedLRUSet (every pool's LRU in one set of arrays, the coordinator's state)
+    behaves as one CachedLRU per pool: batched pushes (duplicates, reserved and out-of-range
+    pages, unknown pools, small rings that compact), takes, and evictions with pins give each
+    pool's own results, and its views are those LRUs."""
+    rng = np.random.default_rng(11)
+    pool = (12, 20, 9)
+    lrus = tuple(L.create_lru(p, ring_size=r) for p, r in zip(pool, (32, 64, 16), strict=True))
+    s = L.pack(lrus)
+    assert s.ring_offset == (0, 32, 96) and s.page_offset == (0, 12, 32)
+    assert len(jax.tree_util.tree_leaves(s)) == 6
+    cache_in, take_in = jax.jit(L.cache_in), jax.jit(L.take_in)
+    evict_in = jax.jit(L.evict_in, static_argnames=("g", "max_pages", "pin_offset"))
+    compacted = evicted = False
+    for step in range(40):
+        n = 24
+        group = rng.integers(-1, 4, n).astype(np.int32)  # -1 and 3: unknown pools
+        pages = rng.integers(-1, 21, n).astype(np.int32)
+        valid = rng.random(n) < 0.8
+        want = tuple(
+            L.cache(lr, jnp.asarray(pages), jnp.asarray(valid & (group == g)))
+            for g, lr in enumerate(lrus)
+        )
+        s = cache_in(s, jnp.asarray(group), jnp.asarray(pages), jnp.asarray(valid))
+        for g, w in enumerate(want):
+            _same(L.view(s, g), w)
+            ok = valid & (group == g) & (pages >= 1) & (pages <= pool[g] - 2)
+            compacted |= int(w.tail) != int(lrus[g].tail) + len(set(pages[ok].tolist()))
+        lrus = want
+        # Takes (stale ring entries, so the rings fill and compact).
+        tg = rng.integers(0, 3, 8).astype(np.int32)
+        tp = rng.integers(0, 12, 8).astype(np.int32)
+        s = take_in(s, jnp.asarray(tg), jnp.asarray(tp), jnp.ones(8, bool))
+        lrus = tuple(
+            L.take(lr, jnp.asarray(tp), jnp.asarray(tg == g))[0] for g, lr in enumerate(lrus)
+        )
+        for g in range(3):
+            _same(L.view(s, g), lrus[g])
+        if step % 4:
+            continue
+        # Evict from one pool, some pages pinned (a flat mask of every pool).
+        g = int(rng.integers(0, 3))
+        pinned = rng.random(sum(pool)) < 0.3
+        k = jnp.int32(rng.integers(0, 4))
+        s, out, got = evict_in(
+            s, g, k, max_pages=4, pinned=jnp.asarray(pinned), pin_offset=s.page_offset[g]
+        )
+        p0 = s.page_offset[g]
+        lr, _, w_out, w_got = L.evict(
+            lrus[g], None, k, max_pages=4, pinned=jnp.asarray(pinned[p0 : p0 + pool[g]])
+        )
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(w_out))
+        assert int(got) == int(w_got)
+        evicted |= int(got) > 0
+        lrus = tuple(lr if i == g else x for i, x in enumerate(lrus))
+        for i in range(3):
+            _same(L.view(s, i), lrus[i])
+    assert compacted, "no ring compacted"
+    assert evicted, "nothing evicted"
+    _same(L.pack(L.unpack(s)), s)
