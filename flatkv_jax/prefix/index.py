@@ -205,9 +205,7 @@ def lookup(index: PrefixIndex, keys: jax.Array, valid: jax.Array | None = None) 
 
 def holds(index: PrefixIndex, pages: jax.Array) -> jax.Array:
     """bool[...]: whether the index holds each page (its index reference). Out-of-range -> False."""
-    pages = jnp.asarray(pages, jnp.int32)
-    ok = (pages >= 0) & (pages < index.num_pages)
-    return ok & (index.slot_of_page[jnp.clip(pages, 0, index.num_pages - 1)] >= 0)
+    return _held_at(index.slot_of_page, jnp.asarray(pages, jnp.int32))
 
 
 class _Tables(NamedTuple):
@@ -249,7 +247,7 @@ def _place(
 
 
 def _held_at(slot_of_page: jax.Array, addr: jax.Array) -> jax.Array:
-    """bool[N]: ``slot_of_page`` holds an entry at each address (out of range: False)."""
+    """bool[...]: ``slot_of_page`` holds an entry at each address (out of range: False)."""
     n = slot_of_page.shape[0]
     ok = (addr >= 0) & (addr < n)
     return ok & (slot_of_page[jnp.clip(addr, 0, n - 1)] >= 0)

@@ -246,14 +246,10 @@ def take(
       duplicate of it). O(N log N) in the batch.
     """
     pages, valid = _pages_arg(lru, pages, valid)
-    was = valid & lru.cached[pages]
-    gone = jnp.sum(first_occurrence((pages,), was), dtype=jnp.int32)
-    lru = dataclasses.replace(
-        lru,
-        cached=lru.cached.at[jnp.where(was, pages, lru.num_pages)].set(False, mode="drop"),
-        count=lru.count - gone,
-    )
-    return lru, was
+    one = _as_set(lru)
+    zeros = jnp.zeros(pages.shape, jnp.int32)
+    cached, count, was = _take(one, (one.cached, one.count), zeros, pages, valid)
+    return _one(dataclasses.replace(one, cached=cached, count=count)), was
 
 
 def take_groups(
@@ -561,12 +557,18 @@ def take_marks_in(
     a ``lax.cond`` passes just these: the ring passed through a cond is copied by XLA);
     ``lrus`` gives the layout only."""
     group, pages = _group_arg(group, pages)
+    cached, count, _ = _take(lrus, marks, group, pages, valid)
+    return cached, count
+
+
+def _take(lrus: CachedLRUSet, marks, group, pages, valid):
+    """The take of :func:`take_marks_in`, plus ``was`` (bool[N], the row's page was cached)."""
     cached, count = marks
     gi, usable, addr = _set_address(lrus, group, pages)
     was = valid & usable & cached[jnp.clip(addr, 0, cached.shape[0] - 1)]
     gone = _per_pool_sum(first_occurrence((group, pages), was), gi, lrus.groups, jnp.int32)
     cached = cached.at[jnp.where(was, addr, cached.shape[0])].set(False, mode="drop")
-    return cached, count - gone
+    return cached, count - gone, was
 
 
 def evict_in(
