@@ -226,7 +226,7 @@ def incref(
     """Adds one reference to page ``pages[i]`` of pool ``group[i]`` (pages < 1 skip; a page
     listed twice gains two). For pages that gain a reference while held (prefix hits, issue 5).
     """
-    flat = _flat_ids(layout, group, pages)
+    flat = flat_ids(layout, group, pages)
     rc = allocator.refcount.at[jnp.where(flat >= 0, flat, layout.total_pages)].add(1, mode="drop")
     return BlockPoolSet(allocator.free_ids, allocator.top, rc)
 
@@ -285,7 +285,7 @@ def decref_left(
       was listed twice (callers may skip their own dedupes then); True when one was, or when
       more than :data:`SUSPECTS` listings were suspects.
     """
-    flat = _flat_ids(layout, group, pages).reshape(-1)
+    flat = flat_ids(layout, group, pages).reshape(-1)
     group = group.reshape(-1)
     old = allocator.refcount[jnp.clip(flat, 0, layout.total_pages - 1)]
     others = 1 if held is None else 1 + held.reshape(-1).astype(_I32)
@@ -373,7 +373,8 @@ def _push(allocator: BlockPoolSet, layout: PoolLayout, rc, flat, group, win):
     return BlockPoolSet(free_ids, allocator.top + freed, rc), freed
 
 
-def _flat_ids(layout: PoolLayout, group: jax.Array, pages: jax.Array) -> jax.Array:
-    """Flat refcount index of (pool, page), or -1 for pages < 1 (never the null page)."""
+def flat_ids(layout: PoolLayout, group: jax.Array, pages: jax.Array) -> jax.Array:
+    """Flat refcount index of (pool, page), or -1 for pages < 1 (never the null page). Any
+    per-page array laid out as the refcounts (the coordinator's pin mask) uses it too."""
     page_off = jnp.asarray(layout.page_offset, _I32)
     return jnp.where(pages > 0, page_off[jnp.clip(group, 0, layout.num_pools - 1)] + pages, -1)

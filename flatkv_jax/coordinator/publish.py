@@ -11,7 +11,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from flatkv_jax.block_pool import decref, incref
+from flatkv_jax.block_pool import decref, flat_ids, incref
 from flatkv_jax.coordinator.layout import per_group, state_layout
 from flatkv_jax.coordinator.rows import ceil_div, replace, set_rows
 from flatkv_jax.coordinator.state import CacheState, pool_layout, table_size
@@ -47,7 +47,7 @@ def pin(plan: CachePlan, state: CacheState, m, rows: jax.Array, on: bool):
     distinct cached-only pinned pages per pool (``int32[G]``) and the listing."""
     group, pages = hit_listing(plan, m, rows)
     listed = pages > 0
-    addr = _pin_address(plan, group, pages, listed)
+    addr = _pin_address(plan, group, pages)
     pinned = state.pinned.at[addr].set(on, mode="drop")
     distinct = first_occurrence((group, pages), listed)
     # The LRU set's per-page arrays use the pools' page offsets, as the pin mask does.
@@ -61,12 +61,12 @@ def pin(plan: CachePlan, state: CacheState, m, rows: jax.Array, on: bool):
     return replace(state, pinned=pinned), cached, (group, pages)
 
 
-def _pin_address(plan: CachePlan, group: jax.Array, pages: jax.Array, listed: jax.Array):
-    """Entries of the flat pin mask (pool ``g``'s pages at its ``page_offset``, as the
-    allocator's refcounts): out of range (dropped) where nothing is listed."""
+def _pin_address(plan: CachePlan, group: jax.Array, pages: jax.Array):
+    """Entries of the flat pin mask (laid out as the allocator's refcounts): out of range
+    (dropped) where nothing is listed (pages < 1)."""
     layout = pool_layout(plan)
-    off = jnp.asarray(layout.page_offset, _I32)[jnp.clip(group, 0, len(plan.groups) - 1)]
-    return jnp.where(listed, off + pages, layout.total_pages)
+    flat = flat_ids(layout, group, pages)
+    return jnp.where(flat >= 0, flat, layout.total_pages)
 
 
 def take_hits(plan: CachePlan, state: CacheState, m, s: jax.Array, served, listing) -> CacheState:
@@ -79,7 +79,7 @@ def take_hits(plan: CachePlan, state: CacheState, m, s: jax.Array, served, listi
     # computed: that orders the cond's reads of the mask before this in-place write
     # (otherwise XLA copies the whole mask).
     clear = jnp.broadcast_to(state.lru.count.min() < 0, pages.shape)
-    pinned = state.pinned.at[_pin_address(plan, group, pages, listed)].set(clear, mode="drop")
+    pinned = state.pinned.at[_pin_address(plan, group, pages)].set(clear, mode="drop")
     take_rows = jnp.concatenate(
         [jnp.broadcast_to(served[:, None], p.shape).reshape(-1) for p in m.listed]
     )

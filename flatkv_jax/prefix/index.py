@@ -588,14 +588,7 @@ def _address(ixs: PrefixIndexSet, group: jax.Array, k: jax.Array | None, pages: 
     """Per row of ``group``: whether the group exists, the bucket pair of its key in the set
     (``None`` without keys), the page's entry in ``slot_of_page`` (out of range for a page
     outside its pool) and whether the page is usable (``1 .. num_pages - 2``)."""
-    g_n = ixs.groups
-    known = (group >= 0) & (group < g_n)
-    gi = jnp.clip(group, 0, g_n - 1)
-    npg = jnp.asarray(ixs.num_pages, jnp.int32)[gi]
-    total = sum(ixs.num_pages)
-    in_pool = known & (pages >= 0) & (pages < npg)
-    addr = jnp.where(in_pool, jnp.asarray(ixs.page_offset, jnp.int32)[gi] + pages, total)
-    usable = known & (pages >= 1) & (pages <= npg - 2)
+    known, gi, addr, usable = page_address(ixs.num_pages, group, pages)
     bk = None
     if k is not None:
         mask = (jnp.asarray(ixs.num_buckets, jnp.int32)[gi] - 1).astype(jnp.uint32)
@@ -603,6 +596,21 @@ def _address(ixs: PrefixIndexSet, group: jax.Array, k: jax.Array | None, pages: 
         bk = jnp.stack([k[:, 0] & mask, k[:, 1] & mask], axis=1).astype(jnp.int32)
         bk = bk + b0[:, None]
     return known, bk, addr, usable
+
+
+def page_address(num_pages: tuple[int, ...], group: jax.Array, pages: jax.Array):
+    """Pools of ``num_pages`` pages laid end to end (a set's per-page arrays): per row,
+    ``(known, gi, addr, usable)``: the pool exists, its number clipped, the page's entry
+    (out of range, ``sum(num_pages)``, for a page outside its pool) and whether the page is
+    usable (``1 .. num_pages - 2``). Shared by the index set and the LRU set."""
+    g_n = len(num_pages)
+    known = (group >= 0) & (group < g_n)
+    gi = jnp.clip(group, 0, g_n - 1)
+    npg = jnp.asarray(num_pages, jnp.int32)[gi]
+    in_pool = known & (pages >= 0) & (pages < npg)
+    offset = jnp.asarray(_offsets(num_pages), jnp.int32)[gi]
+    addr = jnp.where(in_pool, offset + pages, sum(num_pages))
+    return known, gi, addr, known & (pages >= 1) & (pages <= npg - 2)
 
 
 def _as_group(group, n: int) -> jax.Array:

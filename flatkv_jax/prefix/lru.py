@@ -430,15 +430,8 @@ def unpack(lrus: CachedLRUSet) -> tuple[CachedLRU, ...]:
 def _set_address(lrus: CachedLRUSet, group: jax.Array, pages: jax.Array):
     """Per row: the pool number clipped, whether the page is a usable page of a known pool,
     and its entry in the per-page arrays (out of range where it is not)."""
-    g_n = lrus.groups
-    known = (group >= 0) & (group < g_n)
-    gi = jnp.clip(group, 0, g_n - 1)
-    npg = jnp.asarray(lrus.num_pages, jnp.int32)[gi]
-    usable = known & _usable(pages, npg)
-    addr = jnp.where(
-        usable, jnp.asarray(lrus.page_offset, jnp.int32)[gi] + pages, sum(lrus.num_pages)
-    )
-    return gi, usable, addr
+    _, gi, addr, usable = index_lib.page_address(lrus.num_pages, group, pages)
+    return gi, usable, jnp.where(usable, addr, sum(lrus.num_pages))
 
 
 def _per_pool_sum(x: jax.Array, group: jax.Array, g_n: int, dtype) -> jax.Array:
