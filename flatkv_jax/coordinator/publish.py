@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flatkv_jax.block_pool import decref, flat_ids, incref
 from flatkv_jax.coordinator.layout import per_group, state_layout
@@ -128,14 +130,22 @@ def publish_blocks(
     ns = state.namespace[s]
     toks = state.fifo_tokens[s, head, :width]
     # Only the `width` accepted-token columns are hashed (lanes [B, width, LANES]).
-    lanes, chain = keys_lib.extend_chain(state.chain[s], toks, c_old, a, ns, seed=state.key_seed)
-    offered = _flatten(
-        [
-            _completed_blocks(plan, state, run, s, pub, c_old, c_old + a, lanes, width, ns)
-            for run in _runs_of_equal_blocks(plan, width)
-        ]
+    # Lanes only at the ends a block can be published at (multiples of `unit`), not at every
+    # token: a prefill's finishing mixes follow its blocks, not its tokens.
+    unit = publish_unit(plan)
+    lanes, chain = keys_lib.extend_chain(
+        state.chain[s], toks, c_old, a, ns, seed=state.key_seed, unit=unit
     )
     state = replace(state, chain=set_rows(state.chain, s, pub, chain))
+    runs = _runs_of_equal_blocks(plan, width)
+    if not runs:  # no group ever publishes a block (only the chain advances)
+        return state
+    offered = _flatten(
+        [
+            _completed_blocks(plan, state, run, s, pub, c_old, c_old + a, lanes, unit, width, ns)
+            for run in runs
+        ]
+    )
     # Few of the B x groups candidate rows complete a block (a decode step at B = 256: ~50 of
     # 1,536): the offered rows are compacted, in order, and published in chunks of `k` rows,
     # so keys, lookups and the batch rules' sorts cost the blocks offered, not the candidates.
@@ -238,7 +248,7 @@ class _Blocks(NamedTuple):
     namespace: jax.Array  # the row's namespace, one per block
 
 
-def hit_run_start(block_tokens: int, reach: int, granularity: int, ends):
+def hit_run_start(block_tokens: int, reach: int, granularity: int, ends, xp=jnp):
     """For a window group's block ending at ``ends``: the first block of the trailing run of
     the nearest hit boundary at or after it (``h``, the next multiple of ``granularity``).
 
@@ -246,22 +256,62 @@ def hit_run_start(block_tokens: int, reach: int, granularity: int, ends):
     group's :attr:`~flatkv_jax.groups.GroupSpec.hit_reach`, ``W - 1`` for a sliding window);
     later boundaries start their runs later still, so a block below this start is in no run
     and no admission can ever read it from the index: it is not published (its page is
-    freed, not cached, when the request lets it go).
+    freed, not cached, when the request lets it go). ``xp``: ``jnp``, or ``np`` for static
+    ends (:func:`publish_strides`).
     """
     h = (ends + granularity - 1) // granularity * granularity
     run = (h - reach) // block_tokens
-    return jnp.maximum(run, 0)
+    return xp.maximum(run, 0)
+
+
+def publish_strides(plan: CachePlan) -> tuple[int, ...]:
+    """Per group (static): the spacing of the block ends it can ever publish, 0 if none.
+
+    A history group publishes every block (its span). A window group publishes only the
+    blocks of some boundary's trailing run (:func:`hit_run_start`); their ends repeat with
+    the granularity, and the stride is their gcd (V4: the sliding window's 64-token blocks
+    every 64 tokens, a 4-token compressor state only the block ending at each 128-token
+    boundary, the ratio-128 state, which carries nothing, never). Candidates are taken at
+    multiples of the stride only: the others could never pass the run test.
+    """
+    return _publish_strides(plan)
+
+
+@functools.cache
+def _publish_strides(plan: CachePlan) -> tuple[int, ...]:
+    lay = state_layout(plan)
+    gran = plan.prefix_granularity
+    out = []
+    for bt, win, reach in zip(lay.block_tokens, lay.is_window, lay.hit_reach, strict=True):
+        if not win:
+            out.append(bt)
+            continue
+        # The rule repeats with the granularity (a multiple of bt); three periods cover the
+        # clipped start.
+        ends = np.arange(1, 3 * gran // bt + 1) * bt
+        ok = ends // bt - 1 >= hit_run_start(bt, reach, gran, ends, xp=np)
+        out.append(int(np.gcd.reduce(ends[ok])) if ok.any() else 0)
+    return tuple(out)
+
+
+def publish_unit(plan: CachePlan) -> int:
+    """The gcd of every group's publish stride (static): the spacing of the ends whose lanes
+    publishing hashes (the granularity if no group publishes)."""
+    strides = [st for st in publish_strides(plan) if st]
+    return math.gcd(*strides) if strides else plan.prefix_granularity
 
 
 def _runs_of_equal_blocks(plan: CachePlan, width: int) -> list[tuple[int, ...]]:
-    """The groups in order, cut into runs of consecutive groups that can complete equally
-    many blocks per row in ``width`` tokens (``width // block_tokens + 1``): each run's
-    candidates are computed as one ``[groups, B, N]`` batch (a decode step: one run of every
-    group, not one copy of the code per group)."""
-    lay = state_layout(plan)
+    """The groups that publish, in order, cut into runs of consecutive groups that can
+    complete equally many publishable blocks per row in ``width`` tokens (``width // stride
+    + 1``): each run's candidates are computed as one ``[groups, B, N]`` batch (a decode
+    step: one run of every group, not one copy of the code per group)."""
+    strides = publish_strides(plan)
     runs: list[list[int]] = []
-    for g, bt in enumerate(lay.block_tokens):
-        if runs and width // lay.block_tokens[runs[-1][0]] == width // bt:
+    for g, st in enumerate(strides):
+        if not st:
+            continue
+        if runs and width // strides[runs[-1][0]] == width // st:
             runs[-1].append(g)
         else:
             runs.append([g])
@@ -277,23 +327,26 @@ def _completed_blocks(
     c_old: jax.Array,
     c_new: jax.Array,
     lanes: jax.Array,
+    unit: int,
     width: int,
     ns: jax.Array,
 ) -> _Blocks:
-    """The blocks completed in ``(c_old, c_new]`` by the groups of ``run`` (static, groups
-    with equal ``width // B + 1``, the most a row can complete), each field ``[groups, B,
-    N]``; ``ns``: each row's namespace."""
+    """The publishable blocks completed in ``(c_old, c_new]`` by the groups of ``run``
+    (static, groups with equal ``width // stride + 1``, the most a row can complete), each
+    field ``[groups, B, N]``; ``lanes``: :func:`~flatkv_jax.prefix.keys.extend_chain`'s at
+    multiples of ``unit``; ``ns``: each row's namespace."""
     lay = state_layout(plan)
+    strides = publish_strides(plan)
 
     def const(values):
         return per_group(tuple(values[g] for g in run))[:, None, None]
 
-    bt, w = const(lay.block_tokens), const(lay.table_width)
-    n_ends = width // lay.block_tokens[run[0]] + 1
+    bt, w, st = const(lay.block_tokens), const(lay.table_width), const(strides)
+    n_ends = width // strides[run[0]] + 1
     k = jnp.arange(n_ends, dtype=_I32)[None, None, :]
-    ends = (c_old[None, :, None] // bt + 1 + k) * bt
+    ends = (c_old[None, :, None] // st + 1 + k) * st
     ok = pub[None, :, None] & (ends <= c_new[None, :, None])
-    at = jnp.clip(ends - c_old[None, :, None] - 1, 0, width - 1)
+    at = jnp.clip(ends // unit - c_old[None, :, None] // unit - 1, 0, lanes.shape[1] - 1)
     g_n, b = len(run), s.shape[0]
     new_sums = lanes[jnp.arange(b, dtype=_I32)[None, :, None], at]  # [groups, B, N, LANES]
     slot = jnp.clip(ends // bt - 1, 0, w - 1)

@@ -499,12 +499,20 @@ def chain_state(ph: PromptHash, ends: jax.Array) -> jax.Array:
 
 
 def extend_chain(
-    chain: jax.Array, tokens: jax.Array, start: jax.Array, count: jax.Array, namespace, *, seed
+    chain: jax.Array,
+    tokens: jax.Array,
+    start: jax.Array,
+    count: jax.Array,
+    namespace,
+    *,
+    seed,
+    unit: int = 1,
 ) -> tuple[jax.Array, jax.Array]:
     """Continues chain states over newly accepted tokens (the coordinator's publish path).
 
-    Cost: ``T`` token terms and ``T`` finishing mixes per row, and one chain step per block
-    boundary the ``T`` positions can cross (unrolled: ``T <= 7 * CHAIN_TOKENS``).
+    Cost: ``T`` token terms per row, one finishing mix per returned end (``T / unit + 1``),
+    and one chain step per block boundary the ``T`` positions can cross (unrolled: ``T <= 7 *
+    CHAIN_TOKENS``).
 
     Args:
       chain: uint32[B, CHAIN_WORDS], the chain state at ``start`` (zeros at ``start == 0``;
@@ -514,11 +522,16 @@ def extend_chain(
       count: int32[B] how many of the T tokens are real (the rest are ignored).
       namespace: uint32[2] or uint32[B, 2] (or an int / pair).
       seed: the secret key seed (as for :func:`chain_lanes`).
+      unit: static; lanes are returned only at ends that are multiples of ``unit`` (1: at
+        every token). Publishing asks for the spacing of the block ends it can publish.
 
     Returns:
-      ``(lanes, chain)``: uint32[B, T, LANES], entry ``t`` the lanes of the prefix ending at
-      ``start + t + 1`` (junk for ``t >= count``), and the chain state at ``start + count``.
+      ``(lanes, chain)``: ``lanes`` uint32[B, N, LANES], entry ``j`` the lanes of the prefix
+      ending at ``e_j = (start // unit + 1 + j) * unit`` (``N = T`` for ``unit == 1``, where
+      ``e_j = start + j + 1``, else ``T // unit + 1``; junk where ``e_j > start + count``),
+      and the chain state at ``start + count``.
     """
+    check_positive_int("unit", unit)
     tokens = _check_tokens(tokens)
     b, t = tokens.shape
     start = _check_lengths(start, b, "start")
@@ -551,6 +564,7 @@ def extend_chain(
     if t == 1:
         # One token (a decode step): a block it completes ends at that token, so the chain's
         # next key F(g, A(end), end) is the token's own lanes: one finishing mix, not two.
+        # (With unit > 1 entry 0 is e_0 = start + 1 exactly when that is a multiple.)
         lanes = _finish(sub, _chain_key(sub, s0)[:, None, :], acc, pos + 1)
         s_new = jnp.where((end // c != q0)[:, None], lanes[:, 0], s0)
     else:
@@ -558,7 +572,17 @@ def extend_chain(
         tot = jnp.take_along_axis(acc, last[:, :, None], axis=1)
         bounds = (q0[:, None] + rr + 1) * c
         heads, g = _chain_run(sub, s0, tot, bounds, bounds <= end[:, None])
-        lanes = _finish(sub, jnp.take_along_axis(g, seg[:, :, None], axis=1), acc, pos + 1)
+        if unit == 1:
+            acc_at, seg_at, ends = acc, seg, pos + 1
+        else:
+            # The ends e_j and the token index each one closes (clipped: junk beyond T).
+            n = t // unit + 1
+            ends = (start[:, None] // unit + 1 + jnp.arange(n, dtype=jnp.int32)[None, :]) * unit
+            at = jnp.clip(ends - start[:, None] - 1, 0, t - 1)
+            acc_at = jnp.take_along_axis(acc, at[:, :, None], axis=1)
+            seg_at = jnp.take_along_axis(seg, at, axis=1)
+        g_at = jnp.take_along_axis(g, seg_at[:, :, None], axis=1)
+        lanes = _finish(sub, g_at, acc_at, ends)
         s_new = jnp.take_along_axis(heads, (end // c - q0)[:, None, None], axis=1)[:, 0]
     a_last = jnp.take_along_axis(acc, jnp.clip(count - 1, 0, t - 1)[:, None, None], axis=1)[:, 0]
     a_new = jnp.where((count > 0)[:, None], a_last, a0)

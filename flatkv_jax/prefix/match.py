@@ -73,7 +73,8 @@ class MatchLayout:
       groups: per plan group, in plan order.
       granularity: ``G``, hits are multiples of it.
       max_len: prompt axis length ``L`` the layout serves (the tokens' padded width).
-      unit: hashing unit, the gcd of the block spans (every block end is a multiple of it).
+      unit: hashing unit: the gcd of the granularity and of every end a lookup reads
+        (:meth:`lookup_ends`); lanes are computed at its multiples only.
     """
 
     groups: tuple[GroupMatch, ...]
@@ -132,7 +133,25 @@ class MatchLayout:
             )
             for g in plan.groups
         )
-        return cls(groups=groups, granularity=granularity, max_len=max_len, unit=math.gcd(*spans))
+        layout = cls(groups=groups, granularity=granularity, max_len=max_len, unit=granularity)
+        # Hash only at the ends some lookup reads (V4: multiples of 64, the sliding window's
+        # blocks; a 4-token state is looked up only at its boundary's block), not at every
+        # block end of every group: the finishing mixes follow the lookups.
+        ends = [e.reshape(-1) for e in layout.lookup_ends().values()]
+        unit = int(np.gcd.reduce(np.concatenate([*ends, [granularity]])))
+        return dataclasses.replace(layout, unit=unit)
+
+    def lookup_ends(self) -> dict[int, np.ndarray]:
+        """Per group that looks anything up: the static prefix ends (int32) its lookups key:
+        every block end of a history group, the ``need`` blocks behind each candidate of a
+        window group (or all its blocks when that is fewer)."""
+        wanted = {}
+        for g, gm in enumerate(self.groups):
+            if not gm.is_window:
+                wanted[g] = ((np.arange(gm.slots) + 1) * gm.block_tokens).astype(np.int32)
+            elif gm.need:
+                wanted[g] = _window_ends(self, gm)[0]
+        return wanted
 
 
 @jax.tree_util.register_dataclass
@@ -284,13 +303,7 @@ def match_prompts(
 
     # Every group's lookups first: with a PrefixIndexSet they are one batched lookup (rows of
     # every group at once), with a tuple of indexes one per group.
-    wanted = {}
-    for g, gm in enumerate(layout.groups):
-        if not gm.is_window:
-            wanted[g] = ((np.arange(gm.slots) + 1) * gm.block_tokens).astype(np.int32)
-        elif gm.need:
-            wanted[g] = _window_ends(layout, gm)[0]
-    looked = _lookups(indexes, hashed.lanes, layout.unit, lengths, namespace, wanted)
+    looked = _lookups(indexes, hashed.lanes, layout.unit, lengths, namespace, layout.lookup_ends())
 
     hist, win, rows = [], [], []
     for g, gm in enumerate(layout.groups):

@@ -9,6 +9,8 @@ The randomized cross-check is the oracle differential
 
 from __future__ import annotations
 
+import math
+
 import jax
 import numpy as np
 import pytest
@@ -26,6 +28,11 @@ from coordinator_cases import (
     ops,
     snapshot,
 )
+
+from flatkv_jax import ServingLimits, plan_with_pages
+from flatkv_jax.coordinator.publish import publish_strides, publish_unit
+from flatkv_jax.oracle import RadixOracle
+from flatkv_jax.recipes import deepseek_v4_groups, v4_flash
 
 CHUNK = PLAN.limits.chunk_tokens
 SYS = list(range(1000, 1032))  # a 32-token "system prompt"
@@ -427,3 +434,46 @@ def test_reclaim_max_count_sizes_the_chunks_not_the_result():
     assert_same(*states)
     with pytest.raises(ValueError, match="max_count"):
         ops.reclaim(d.plan, d.state, host.handle_batch(d.plan, [h]), max_count=0)
+
+
+@pytest.mark.parametrize("recipe", ["tiny", "flash"])
+def test_publish_strides_cover_every_block_the_oracle_would_publish(recipe):
+    """Publishing takes candidate blocks only at multiples of each group's stride
+    (``publish_strides``) and hashes lanes only at multiples of their gcd: every block the
+    oracle finds readable by some admission (its own brute-force rule over the boundaries)
+    ends at a multiple of the stride, the stride is the gcd of those ends (no looser), and a
+    group with stride 0 (V4's ratio-128 state, which carries nothing) has no such block."""
+    if recipe == "tiny":
+        plan = PLAN
+    else:
+        groups = deepseek_v4_groups(
+            v4_flash(c4_rows=32, c128_rows=1, kv_format="bf16", indexer_format="bf16"),
+            verify_width=2,
+        )
+        plan = plan_with_pages(groups, ServingLimits(2, 1024, 256, 2), 600)
+    oracle = RadixOracle(plan)
+    gran = plan.prefix_granularity
+    strides = publish_strides(plan)
+    for gi, (g, stride) in enumerate(zip(plan.groups, strides, strict=True)):
+        ends = [
+            (i + 1) * g.block_tokens
+            for i in range(4 * gran // g.block_tokens)
+            if oracle._hit_readable(gi, i)
+        ]
+        if stride == 0:
+            assert ends == [], g.name
+            continue
+        assert all(e % stride == 0 for e in ends), (g.name, stride)
+        assert math.gcd(*ends) == stride, (g.name, stride, ends[:4])
+    assert publish_unit(plan) == math.gcd(*[s for s in strides if s])
+    if recipe == "flash":
+        named = dict(zip((g.name for g in plan.groups), strides, strict=True))
+        assert named == {
+            "swa_kv": 64,
+            "mtp_swa_kv": 64,
+            "c4_kv": 128,
+            "c4_state": 128,
+            "c4_index_state": 128,
+            "c128_kv": 128,
+            "c128_state": 0,
+        }

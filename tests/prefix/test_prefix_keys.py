@@ -20,7 +20,7 @@ from flatkv_jax.prefix import keys as K
 SEED = 11
 block_keys = jax.jit(K.block_keys, static_argnames="block_tokens")
 chain_lanes = jax.jit(K.chain_lanes, static_argnames="unit")
-extend_chain = jax.jit(K.extend_chain)
+extend_chain = jax.jit(K.extend_chain, static_argnames="unit")
 
 
 def _tok(rows):
@@ -207,6 +207,44 @@ def test_units_agree_and_incremental_extension_matches_bulk(rng):
                 np.testing.assert_array_equal(np.asarray(state)[r], np.asarray(want)[r])
         start += chunk
     assert start == n
+
+
+@pytest.mark.parametrize("unit", [4, 64, 128])
+def test_extend_chain_at_a_unit_gives_the_lanes_of_those_ends(rng, unit):
+    """``unit > 1`` returns only the lanes at multiples of ``unit`` (entry ``j``: the end
+    ``(start // unit + 1 + j) * unit``): exactly the per-token lanes at those ends, for
+    unaligned starts, chunks crossing chain blocks, short counts and one-token steps; the
+    chain state is the same as with ``unit = 1``."""
+    n = 700
+    t = rng.integers(0, 50_000, size=(2, n)).astype(np.int32)
+    ns = jnp.asarray([[1, 0], [5, 2]], jnp.uint32)
+    ph = chain_lanes(jnp.asarray(t), jnp.full((2,), n, jnp.int32), ns, seed=SEED, unit=1)
+    bulk = np.asarray(ph.lanes)
+    checked = 0
+    for start, width, counts in (
+        (0, 256, (256, 200)),
+        (61, 256, (250, 3)),
+        (127, 300, (300, 129)),
+        (255, 1, (1, 1)),
+        (319, 1, (1, 0)),
+        (130, 512, (512, 511)),
+    ):
+        state = K.chain_state(ph, jnp.full((2,), start, jnp.int32))
+        toks = jnp.asarray(t[:, start : start + width])
+        count = jnp.asarray(counts, jnp.int32)
+        starts = jnp.full((2,), start, jnp.int32)
+        lanes, s_u = extend_chain(state, toks, starts, count, ns, seed=SEED, unit=unit)
+        _, s_1 = extend_chain(state, toks, starts, count, ns, seed=SEED)
+        np.testing.assert_array_equal(np.asarray(s_u), np.asarray(s_1))
+        lanes = np.asarray(lanes)
+        assert lanes.shape == (2, width // unit + 1, K.LANES)
+        for r in range(2):
+            for j in range(lanes.shape[1]):
+                e = (start // unit + 1 + j) * unit
+                if e <= start + counts[r]:
+                    np.testing.assert_array_equal(lanes[r, j], bulk[r, e - 1])
+                    checked += 1
+    assert checked > 0
 
 
 def test_one_token_steps_across_chain_blocks_match_the_bulk_chain(rng):

@@ -239,6 +239,10 @@ def test_v4_geometry_matches_at_128_tokens():
     p = np.random.default_rng(4).integers(0, 100_000, n).astype(np.int32)
     idx, pages, _ = _setup(plan, _all_blocks(plan, n), p)
     layout = MatchLayout.for_plan(plan, 768)
+    # Lanes are hashed only where a lookup reads: every 64 tokens (the sliding windows'
+    # blocks; a 4-token state is read only at its boundary's block), not every 4.
+    assert sorted({int(e) % 64 for ends in layout.lookup_ends().values() for e in ends.flat}) == [0]
+    assert layout.unit == 64
     toks = np.zeros((3, 768), np.int32)
     toks[:, :n] = p
     toks[1, 300] += 1
