@@ -114,3 +114,21 @@ def test_platform_missing_here_is_named_with_the_fix():
         pytest.skip(f"this machine has a TPU: {out.stdout.strip()}")
     assert "platform='tpu' is not available on this machine" in out.stderr, out.stderr[-2000:]
     assert "Fix: install the jax plugin for it" in out.stderr
+
+
+def test_ab_compiled_compares_whole_states_and_names_its_inputs():
+    """benchmarks/ab_compiled.py: two versions' outputs are the same only if every leaf is
+    (shape and value), and a version given without its file is refused with the form."""
+    ab = _load("ab_compiled")
+    a = {"x": jnp.arange(4), "y": (jnp.ones((2, 2)), jnp.zeros(3, jnp.int32))}
+    b = {"x": jnp.arange(4), "y": (jnp.ones((2, 2)), jnp.zeros(3, jnp.int32))}
+    assert ab._same(a, b)
+    c = {"x": jnp.arange(4).at[2].set(7), "y": b["y"]}
+    assert not ab._same(a, c)
+    assert not ab._same(a, {"x": jnp.arange(4)})
+    args = argparse.Namespace(versions=["old=/nonexistent.pkl", "new"], batch=4, peer=None)
+    with pytest.raises(SystemExit, match=r"version 'new': write it as NAME=FILE"):
+        ab.run_ab(args)
+    args.versions = ["old=/nonexistent.pkl"]
+    with pytest.raises(SystemExit, match=r"/nonexistent.pkl is not a file; make it with `dump`"):
+        ab.run_ab(args)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flatkv_jax.block_pool import (
     Allocation,
@@ -64,7 +65,7 @@ def grow(
         # Eviction is rare (only when a free stack runs dry): skip its loops otherwise.
         state = jax.lax.cond(
             jnp.any(short > 0),
-            lambda st: evict(plan, st, short, needs.shape[0] * k),
+            lambda st: evict(plan, st, short, evict_bounds(plan, needs.shape[0], k)),
             lambda st: st,
             state,
         )
@@ -86,17 +87,32 @@ def grow(
     return replace(state, allocator=pools, table_buffer=tables, hi=hi_arr), got.served, got
 
 
-def evict(plan: CachePlan, state: CacheState, n: jax.Array, max_pages: int) -> CacheState:
+def evict_bounds(plan: CachePlan, b: int, k: int) -> tuple[int, ...]:
+    """Per pool (static): the most pages ``b`` rows of a grow with ``k`` pages per row can
+    take from it, ``b * min(k, ceil(k * B_min / B_g))``: a step of at most ``k * B_min`` tokens
+    opens at most that many blocks of span ``B_g``. Eviction never needs more (V4-Flash
+    admission of 4,096 tokens: 2,688 pages over the six pools instead of 6 x 1,024)."""
+    spans = state_layout(plan).block_tokens
+    return tuple(b * min(k, -(-k * min(spans) // bt)) for bt in spans)
+
+
+def evict(
+    plan: CachePlan, state: CacheState, n: jax.Array, max_pages: int | tuple[int, ...]
+) -> CacheState:
     """Evicts ``n[g]`` LRU cached-only (unpinned) pages of every pool: they leave the index,
-    lose its reference and go onto the free stack (the caller pops them right away)."""
+    lose its reference and go onto the free stack (the caller pops them right away).
+    ``max_pages`` (static) bounds ``n[g]``: one int for every pool, or one per pool; the
+    removal and the decref walk their sum."""
+    n_g = len(plan.groups)
+    bounds = (max_pages,) * n_g if isinstance(max_pages, int) else tuple(max_pages)
     lru, out = state.lru, []
     off = pool_layout(plan).page_offset
-    for g in range(len(plan.groups)):
+    for g in range(n_g):
         lru, pages, _ = lru_lib.evict_in(
-            lru, g, n[g], max_pages=max_pages, pinned=state.pinned, pin_offset=off[g]
+            lru, g, n[g], max_pages=bounds[g], pinned=state.pinned, pin_offset=off[g]
         )
         out.append(pages)
-    group = jnp.repeat(jnp.arange(len(plan.groups), dtype=_I32), max_pages)
+    group = jnp.asarray(np.repeat(np.arange(n_g, dtype=np.int32), bounds))
     pages = jnp.concatenate(out)
     # Every pool's evicted pages leave the index in one removal (each popped once: distinct).
     index, _ = index_lib.remove_in(state.index, group, pages, pages >= 0, distinct=True)

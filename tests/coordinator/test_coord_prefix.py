@@ -30,6 +30,7 @@ from coordinator_cases import (
 )
 
 from flatkv_jax import ServingLimits, plan_with_pages
+from flatkv_jax.coordinator.alloc import evict_bounds
 from flatkv_jax.coordinator.publish import publish_strides, publish_unit
 from flatkv_jax.oracle import RadixOracle
 from flatkv_jax.recipes import deepseek_v4_groups, v4_flash
@@ -477,3 +478,37 @@ def test_publish_strides_cover_every_block_the_oracle_would_publish(recipe):
             "c128_kv": 128,
             "c128_state": 0,
         }
+
+
+def test_eviction_bounds_cover_every_grow_and_follow_each_pools_span():
+    """A grow of ``k`` pages per row evicts at most ``b * min(k, ceil(k * B_min / B_g))`` pages
+    from pool ``g`` (``evict_bounds``): every row's needs in every pool, for any extent and any
+    step of at most ``max_count`` tokens, fit that bound (so eviction never clips a shortage);
+    on V4-Flash (with its MTP window) a 4,096-token admission walks 2,752 eviction entries
+    instead of 7 x 1,024."""
+    groups = deepseek_v4_groups(
+        v4_flash(c4_rows=32, c128_rows=1, kv_format="bf16", indexer_format="bf16"), verify_width=0
+    )
+    plan = plan_with_pages(groups, ServingLimits(4, 8192, 4096, 0), 3000)
+    spans = [g.block_tokens for g in plan.groups]
+    rng = np.random.default_rng(3)
+    for mc in (1, 3, 64, 2048, 4096):
+        k = ops.pages_per_row(plan, mc)
+        bounds = evict_bounds(plan, 1, k)
+        assert evict_bounds(plan, 5, k) == tuple(5 * x for x in bounds)
+        for n_old, cnt in zip(
+            rng.integers(0, 4000, 300), rng.integers(1, mc + 1, 300), strict=True
+        ):
+            for bt, bound in zip(spans, bounds, strict=True):
+                needs = -(-(int(n_old) + int(cnt)) // bt) - -(-int(n_old) // bt)
+                assert needs <= bound, (mc, bt, n_old, cnt)
+    named = dict(zip((g.name for g in plan.groups), evict_bounds(plan, 1, 1024), strict=True))
+    assert named == {
+        "swa_kv": 64,
+        "mtp_swa_kv": 64,
+        "c4_kv": 32,
+        "c4_state": 1024,
+        "c4_index_state": 1024,
+        "c128_kv": 32,
+        "c128_state": 512,
+    }

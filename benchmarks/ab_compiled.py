@@ -1,0 +1,220 @@
+"""Two versions of the coordinator, side by side in one process, on the vs_vllm trace.
+
+Timing on the 2-vCPU developer machine drifts by +-20 % between runs a minute apart, so two
+versions measured in separate runs (even interleaved) can disagree on the sign of a 5 %
+change. This script removes the drift: each version's **compiled** decode and admission
+steps are serialized (``dump``, run in that version's tree), then one process (``run``)
+replays ``benchmarks/vs_vllm.py``'s trace and alternates the versions call by call on the
+same evolving state, so both see the same machine at the same moment.
+
+Both versions must keep the same state pytree (leaf shapes and order) and the same
+semantics: before timing a shape, ``run`` applies every version to copies of the same state
+and input and refuses to go on if their outputs or new states differ.
+
+Run (the older version from a git worktree)::
+
+    git worktree add /tmp/old <rev>
+    (cd /tmp/old && PYTHONPATH=/tmp/old python /work/main/benchmarks/ab_compiled.py \\
+        --peer /work/shared/peers/vllm_kv_bench.py dump /tmp/old.pkl)
+    python benchmarks/ab_compiled.py dump /tmp/new.pkl
+    python benchmarks/ab_compiled.py run old=/tmp/old.pkl new=/tmp/new.pkl
+
+``dump`` imports ``flatkv_jax`` and ``vs_vllm`` from the tree it runs in (``PYTHONPATH``),
+so the script itself may come from any tree. Prints, per shape, the median microseconds per
+request of each version and their ratio to the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import pickle
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+
+
+def _import_vs_vllm():
+    """``vs_vllm`` from the tree whose ``flatkv_jax`` is imported (``PYTHONPATH``)."""
+    import flatkv_jax
+
+    bench = pathlib.Path(flatkv_jax.__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench))
+    import vs_vllm
+
+    return vs_vllm
+
+
+#: Compiled shapes compared: the decode step, and the admission buckets the trace uses most.
+SHAPES = (("decode",), ("admit", 1, 2048), ("admit", 1, 4096), ("admit", 2, 2048))
+
+
+#: The vs_vllm defaults the trace and the plan are built from (vs_vllm's own options exist
+#: only in its newer versions; these are the same in all of them).
+_TRACE = dict(
+    requests_per_batch=4.0,
+    decode_len=128,
+    prompt_min=1024,
+    prompt_max=4096,
+    num_system_prompts=8,
+    system_prompt_len=1024,
+    max_num_batched_tokens=16384,
+    pool_factor=1.25,
+    admit_rows=8,
+    admit_width=0,
+    granularity=128,
+    oracle=False,
+    seed=0,
+)
+
+
+def _make_run(vs, args):
+    opts = argparse.Namespace(**_TRACE)
+    peer = pathlib.Path(args.peer) if args.peer else vs.DEFAULT_PEER
+    if not peer.is_file():
+        raise SystemExit(f"--peer {peer}: no such file; pass the path of vllm_kv_bench.py")
+    make_trace, _ = vs.load_make_trace(peer)
+    trace = make_trace(
+        int(opts.requests_per_batch * args.batch),
+        opts.seed,
+        opts.num_system_prompts,
+        opts.system_prompt_len,
+        opts.prompt_min,
+        opts.prompt_max,
+        opts.decode_len,
+    )
+    return vs.Run(opts, args.batch, trace, 1)
+
+
+def _example(run, shape):
+    if shape[0] == "decode":
+        return np.zeros((4, run.b), np.int32)
+    return np.zeros((shape[1], 2 + shape[2]), np.int32)
+
+
+def _compile(run, shape):
+    fn = run.decode if shape[0] == "decode" else run.admit
+    return fn.lower(run.state, _example(run, shape)).compile()
+
+
+def dump(args) -> None:
+    from jax.experimental import serialize_executable
+
+    vs = _import_vs_vllm()
+    run = _make_run(vs, args)
+    blobs = {s: serialize_executable.serialize(_compile(run, s))[0] for s in SHAPES}
+    pathlib.Path(args.out).write_bytes(pickle.dumps(blobs))
+    import flatkv_jax
+
+    src = pathlib.Path(flatkv_jax.__file__).parent
+    print(f"{args.out}: {len(blobs)} executables of {src}")
+
+
+def _copy(tree):
+    return jax.tree.map(lambda x: x.copy(), tree)
+
+
+def _same(a, b) -> bool:
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(
+        np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb, strict=True)
+    )
+
+
+def run_ab(args) -> None:
+    from jax.experimental import serialize_executable
+
+    specs = [spec.partition("=")[::2] for spec in args.versions]
+    for spec, (_, path) in zip(args.versions, specs, strict=True):
+        if not path:
+            raise SystemExit(f"version {spec!r}: write it as NAME=FILE (from `dump`)")
+    for spec, (_, path) in zip(args.versions, specs, strict=True):
+        if not pathlib.Path(path).is_file():
+            raise SystemExit(f"version {spec!r}: {path} is not a file; make it with `dump`")
+    versions = [(name, pickle.loads(pathlib.Path(path).read_bytes())) for name, path in specs]
+    vs = _import_vs_vllm()
+    run = _make_run(vs, args)
+    exe = {}
+    for shape in SHAPES:
+        _, in_tree, out_tree = serialize_executable.serialize(_compile(run, shape))
+        for name, blobs in versions:
+            try:
+                exe[name, shape] = serialize_executable.deserialize_and_load(
+                    blobs[shape], in_tree, out_tree
+                )
+            except Exception as e:  # any load failure means the same thing
+                raise SystemExit(
+                    f"version {name}, shape {shape}: cannot load ({type(e).__name__}: {e}); "
+                    "both versions must keep the same state pytree and batch shapes"
+                ) from e
+    checked: set = set()
+    times: dict = {}
+    order: dict = {}
+    rng = np.random.default_rng(0)
+    orig = run._timed
+
+    def timed(key, fn, *a):
+        shape = ("decode",) if key == "decode" else key
+        if shape not in SHAPES or key not in run.seen:
+            return orig(key, fn, *a)
+        if shape not in checked:
+            outs = [exe[name, shape](_copy(run.state), *a) for name, _ in versions]
+            for (name, _), o in zip(versions[1:], outs[1:], strict=True):
+                if not _same(o, outs[0]):
+                    raise SystemExit(
+                        f"{name} and {versions[0][0]} disagree on {shape}: not the same "
+                        "semantics, nothing to compare"
+                    )
+            checked.add(shape)
+        # Per shape, every block of len(versions) calls runs each version once, in a random
+        # order: a fixed rotation would pin a version to the call after a release or a host
+        # pause (measured: whichever version came first read ~15 % slower).
+        queue = order.setdefault(shape, [])
+        if not queue:
+            queue.extend(rng.permutation(len(versions)).tolist())
+        name = versions[queue.pop()][0]
+        t = time.perf_counter()
+        run.state, out = exe[name, shape](run.state, *a)
+        out = jax.device_get(out)
+        dt = time.perf_counter() - t
+        rows = int(np.count_nonzero(np.asarray(a[0])[0] if key == "decode" else a[0][:, 0]))
+        times.setdefault((shape, name), []).append(dt / max(rows, 1) * 1e6)
+        return out, dt
+
+    run._timed = timed
+    run.run()
+    first = versions[0][0]
+    print(f"{os.cpu_count()} CPUs, jax {jax.__version__}, B = {args.batch}")
+    for shape in SHAPES:
+        base = times.get((shape, first))
+        for name, _ in versions:
+            t = times.get((shape, name))
+            if not t:
+                continue
+            med = statistics.median(t)
+            ratio = f"  x{med / statistics.median(base):.3f} of {first}" if base else ""
+            print(f"{shape!s:22s} {name:10s} {med:9.2f} us/request  n={len(t)}{ratio}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--peer", default=None, help="vllm_kv_bench.py (default: vs_vllm's)")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("dump", help="serialize this tree's compiled steps")
+    d.add_argument("out")
+    r = sub.add_parser("run", help="replay the trace alternating the versions")
+    r.add_argument("versions", nargs="+", help="NAME=FILE from dump, the first is the base")
+    args = ap.parse_args()
+    if args.cmd == "dump":
+        dump(args)
+    else:
+        run_ab(args)
+
+
+if __name__ == "__main__":
+    main()
