@@ -187,7 +187,9 @@ def sweep(
         if lru is not None:  # none without a prefix index
             lru = jax.lax.cond(
                 jnp.any(now_cached),
-                lambda lr: lru_lib.cache_in(lr, gq, pages, now_cached, repeats=repeated),
+                lambda lr: lru_lib.cache_in(
+                    lr, gq, pages, now_cached, repeats=repeated, grouped=True
+                ),
                 lambda lr: lr,
                 lru,
             )

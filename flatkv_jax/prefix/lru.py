@@ -445,10 +445,14 @@ def cache_in(
     valid: jax.Array,
     *,
     repeats: jax.Array | bool = True,
+    grouped: bool = False,
 ) -> CachedLRUSet:
     """:func:`cache_groups` on the set: pool ``group[i]`` gets row ``i`` (rows of an unknown
     pool and reserved pages are ignored), in batch order; the result of one :func:`cache` per
-    pool. ``repeats`` as for :func:`cache_groups`."""
+    pool. ``repeats`` as for :func:`cache_groups`. ``grouped`` (static): the caller promises
+    that the rows pushed list their pools in non-decreasing order (a sweep's listing), so a
+    row's rank within its pool is one running count less the pushes of earlier pools, not a
+    running count per pool (``[n, G]``)."""
     group, pages = _group_arg(group, pages)
     gi, usable, addr = _set_address(lrus, group, pages)
     usable = usable & valid
@@ -470,8 +474,13 @@ def cache_in(
     was = lrus.cached[jnp.clip(addr, 0, lrus.cached.shape[0] - 1)]
     new_pages = _per_pool_sum(push & ~was, gi, g_n, jnp.int32)
     # Each row's sequence: its pool's tail + its rank among the pool's pushed rows.
-    mine = (gi[:, None] == jnp.arange(g_n, dtype=jnp.int32)[None, :]) & push[:, None]
-    rank = jnp.take_along_axis(jnp.cumsum(mine.astype(jnp.uint32), axis=0), gi[:, None], 1)[:, 0]
+    if grouped:
+        before = jnp.cumsum(n_push, dtype=jnp.uint32) - n_push  # pushes of earlier pools
+        rank = jnp.cumsum(push.astype(jnp.uint32), dtype=jnp.uint32) - before[gi]
+    else:
+        mine = (gi[:, None] == jnp.arange(g_n, dtype=jnp.int32)[None, :]) & push[:, None]
+        rank = jnp.take_along_axis(jnp.cumsum(mine.astype(jnp.uint32), axis=0), gi[:, None], 1)
+        rank = rank[:, 0]
     seq = lrus.tail[gi] + rank - jnp.uint32(1)
     r_total = lrus.ring.shape[0]
     in_ring = (seq & (sizes[gi] - jnp.uint32(1))).astype(jnp.int32)

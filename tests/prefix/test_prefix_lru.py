@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -325,7 +326,8 @@ def test_lru_set_equals_one_lru_per_pool():
     """A CachedLRUSet (every pool's LRU in one set of arrays, the coordinator's state)
     behaves as one CachedLRU per pool: batched pushes (duplicates, reserved and out-of-range
     pages, unknown pools, small rings that compact), takes, and evictions with pins give each
-    pool's own results, and its views are those LRUs."""
+    pool's own results, and its views are those LRUs; a push listed in pool order gives the
+    same set with ``grouped=True`` (the sweep's one running count)."""
     rng = np.random.default_rng(11)
     pool = (12, 20, 9)
     lrus = tuple(L.create_lru(p, ring_size=r) for p, r in zip(pool, (32, 64, 16), strict=True))
@@ -333,6 +335,7 @@ def test_lru_set_equals_one_lru_per_pool():
     assert s.ring_offset == (0, 32, 96) and s.page_offset == (0, 12, 32)
     assert len(jax.tree_util.tree_leaves(s)) == 6
     cache_in, take_in = jax.jit(L.cache_in), jax.jit(L.take_in)
+    cache_grouped = jax.jit(functools.partial(L.cache_in, grouped=True))
     evict_in = jax.jit(L.evict_in, static_argnames=("g", "max_pages", "pin_offset"))
     compacted = evicted = False
     for step in range(40):
@@ -344,6 +347,15 @@ def test_lru_set_equals_one_lru_per_pool():
             L.cache(lr, jnp.asarray(pages), jnp.asarray(valid & (group == g)))
             for g, lr in enumerate(lrus)
         )
+        # A listing sorted by pool gives the same set with the grouped rank (a sweep's).
+        o = np.argsort(group, kind="stable")
+        sorted_rows = (jnp.asarray(group[o]), jnp.asarray(pages[o]), jnp.asarray(valid[o]))
+        for a, b in zip(
+            jax.tree.leaves(cache_in(s, *sorted_rows)),
+            jax.tree.leaves(cache_grouped(s, *sorted_rows)),
+            strict=True,
+        ):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         s = cache_in(s, jnp.asarray(group), jnp.asarray(pages), jnp.asarray(valid))
         for g, w in enumerate(want):
             _same(L.view(s, g), w)
