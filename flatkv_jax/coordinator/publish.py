@@ -268,6 +268,7 @@ def hit_run_start(block_tokens: int, reach: int, granularity: int, ends, xp=jnp)
     return xp.maximum(run, 0)
 
 
+@functools.cache
 def publish_strides(plan: CachePlan) -> tuple[int, ...]:
     """Per group (static): the spacing of the block ends it can ever publish, 0 if none.
 
@@ -278,11 +279,6 @@ def publish_strides(plan: CachePlan) -> tuple[int, ...]:
     boundary, the ratio-128 state, which carries nothing, never). Candidates are taken at
     multiples of the stride only: the others could never pass the run test.
     """
-    return _publish_strides(plan)
-
-
-@functools.cache
-def _publish_strides(plan: CachePlan) -> tuple[int, ...]:
     lay = state_layout(plan)
     gran = plan.prefix_granularity
     out = []
