@@ -31,7 +31,7 @@ from flatkv_jax.coordinator.state import (
 from flatkv_jax.errors import fail
 from flatkv_jax.plan import CachePlan, check_plan
 from flatkv_jax.prefix.index import WAYS
-from flatkv_jax.prefix.keys import CHAIN_WORDS, KEY_WORDS, SEED_WORDS
+from flatkv_jax.prefix.keys import CHAIN_WORDS, KEY_WORDS, LANES, SEED_WORDS
 
 _BOOL, _INT = "bool", "int32"
 
@@ -225,6 +225,7 @@ def _check_shapes(plan: CachePlan, state: CacheState, op: str) -> None:
         ("live", state.live, (r,), _BOOL),
         ("keyed", state.keyed, (r,), _BOOL),
         ("chain", state.chain, (r, CHAIN_WORDS), "uint32"),
+        ("subkeys", state.subkeys, (r, 3, LANES), "uint32"),
         ("key_seed", state.key_seed, (SEED_WORDS,), "uint32"),
         ("fifo_tokens", state.fifo_tokens, (r, d, width), _INT),
     ]

@@ -68,6 +68,7 @@ from flatkv_jax.coordinator.rows import (
 )
 from flatkv_jax.coordinator.state import CacheState
 from flatkv_jax.plan import CachePlan
+from flatkv_jax.prefix import keys as keys_lib
 from flatkv_jax.prefix.match import match_prompts
 from flatkv_jax.status import Status
 
@@ -277,6 +278,7 @@ def _record_prefix_admission(
         lo=set_cols(state.lo, s, served, lo.T),
         chain=set_rows(state.chain, s, served, m.state),
         namespace=set_rows(state.namespace, s, served, ns),
+        subkeys=set_rows(state.subkeys, s, served, keys_lib.subkeys(state.key_seed, ns, b).words()),
         keyed=set_rows(state.keyed, s, served, True),
         fifo_tokens=state.fifo_tokens.at[jnp.where(served, s, state.max_requests), 0].set(
             first_tokens, mode="drop"
@@ -478,12 +480,7 @@ def retire_fn(
         # shared instead (publish_blocks), so a release has nothing left to publish.
         pub = commit & state.keyed[s] & (pending != 1 + ReleaseMode.ABORT) & (a > 0)
         a = jnp.where(commit, a, 0)
-        state = jax.lax.cond(
-            jnp.any(pub),
-            lambda st: publish_blocks(plan, st, s, pub, c_old, a, head, mc),
-            lambda st: st,
-            state,
-        )
+        state = publish_blocks(plan, state, s, pub, c_old, a, head, mc)
     state = replace(
         state,
         committed=set_rows(state.committed, s, go, c_new),

@@ -125,7 +125,67 @@ def publish_blocks(
     in the index while the request holds it and a release has nothing left to publish
     (docs/semantics.md, "Prefix reuse"). A block whose insert overflows its bucket pair is
     not cached (a later miss, never a wrong hit).
+
+    Few rows of a decode step reach a block end (B = 256, one token each, ends every 64
+    tokens: ~4 rows): only those are hashed and offered, compacted in batch order,
+    :func:`publish_rows` at a time (the others add their tokens' terms to the chain's partial
+    sum).
     """
+    b = s.shape[0]
+    k = publish_rows(plan, b, width)
+
+    def write(st: CacheState) -> CacheState:
+        if k >= b:
+            return _publish(plan, st, s, pub, c_old, accepted, head, width)
+        a = jnp.where(pub, accepted, 0)
+        u = math.gcd(publish_unit(plan), keys_lib.CHAIN_TOKENS)
+        # A row needs lanes or a chain step only if its tokens reach a multiple of `u` (the
+        # unit ends and the chain-block ends are such multiples); the others add their terms.
+        reach = pub & ((c_old + a) // u != c_old // u)
+        toks = st.fifo_tokens[s, head, :width]
+        chain = keys_lib.add_terms(st.chain[s], toks, c_old, a, st.subkeys[s, 0])
+        st = replace(st, chain=set_rows(st.chain, s, pub & ~reach, chain))
+        # The reaching rows, in batch order, `k` at a time (one pass unless more than `k`
+        # reach): each pass sees what earlier ones published, so the index ends with the
+        # keys -> pages of one pass over every row (a key may sit in the other bucket of its
+        # pair: an insert picks the less loaded one as loaded before its call). (A loop, not a cond between a compacted and a full pass: XLA copied the
+        # index and the tables, ~13 MB at B = 256, for a conditional with two writing
+        # branches.)
+        order = jnp.nonzero(reach, size=b, fill_value=b)[0].astype(_I32)
+        order = jnp.pad(order, (0, -b % k), constant_values=b)
+
+        def one_pass(i, st):
+            rows = jax.lax.dynamic_slice(order, (i * k,), (k,))
+            j = jnp.clip(rows, 0, b - 1)
+            return _publish(plan, st, s[j], reach[j] & (rows < b), c_old[j], a[j], head[j], width)
+
+        return jax.lax.fori_loop(0, ceil_div(jnp.sum(reach, dtype=_I32), k), one_pass, st)
+
+    return jax.lax.cond(jnp.any(pub), write, lambda st: st, state)
+
+
+def publish_rows(plan: CachePlan, b: int, width: int) -> int:
+    """Rows one publish hashes and offers when few of ``b`` rows of ``width`` accepted tokens
+    reach a block end (static; ``b``: no compaction). About four times the rows expected to
+    reach one when positions are spread (``b * width / unit``), at least 8, and only when
+    that is at most half the batch: a decode step at B = 256 compacts to 16 rows."""
+    unit = math.gcd(publish_unit(plan), keys_lib.CHAIN_TOKENS)
+    expect = b * min(width, unit) / unit
+    k = max(8, 1 << max(0, math.ceil(math.log2(max(4 * expect, 1)))))
+    return k if 2 * k <= b else b
+
+
+def _publish(
+    plan: CachePlan,
+    state: CacheState,
+    s: jax.Array,
+    pub: jax.Array,
+    c_old: jax.Array,
+    accepted: jax.Array,
+    head: jax.Array,
+    width: int,
+) -> CacheState:
+    """:func:`publish_blocks` for every row of the batch."""
     a = jnp.where(pub, accepted, 0)
     ns = state.namespace[s]
     toks = state.fifo_tokens[s, head, :width]
@@ -134,7 +194,14 @@ def publish_blocks(
     # token: a prefill's finishing mixes follow its blocks, not its tokens.
     unit = publish_unit(plan)
     lanes, chain = keys_lib.extend_chain(
-        state.chain[s], toks, c_old, a, ns, seed=state.key_seed, unit=unit
+        state.chain[s],
+        toks,
+        c_old,
+        a,
+        ns,
+        seed=state.key_seed,
+        unit=unit,
+        sub=keys_lib.Subkeys.from_words(state.subkeys[s]),
     )
     state = replace(state, chain=set_rows(state.chain, s, pub, chain))
     runs = _runs_of_equal_blocks(plan, width)
@@ -150,7 +217,8 @@ def publish_blocks(
     # 1,536): the offered rows are compacted, in order, and published in chunks of `k` rows,
     # so keys, lookups and the batch rules' sorts cost the blocks offered, not the candidates.
     # Chunks run in row order and each sees the blocks earlier chunks indexed, so the outcome
-    # is the one of a single pass (first publisher wins in row order).
+    # is the one of a single pass (first publisher wins in row order), up to which bucket of
+    # its pair a key sits in.
     n = offered.valid.shape[0]
     k = publish_chunk(n)
     total = jnp.sum(offered.valid, dtype=_I32)

@@ -46,7 +46,7 @@ from flatkv_jax.coordinator.layout import (
 from flatkv_jax.errors import check_positive_int, fail
 from flatkv_jax.plan import CachePlan
 from flatkv_jax.prefix.index import PrefixIndex, PrefixIndexSet, create_index_set, unpack
-from flatkv_jax.prefix.keys import CHAIN_WORDS, new_seed, seed_words
+from flatkv_jax.prefix.keys import CHAIN_WORDS, LANES, new_seed, seed_words
 from flatkv_jax.prefix.lru import CachedLRU, CachedLRUSet, create_lru_set
 from flatkv_jax.prefix.lru import unpack as unpack_lrus
 
@@ -86,7 +86,7 @@ class PoolView(NamedTuple):
     data_fields=[
         "allocator", "table_buffer", "lo", "hi", "generation", "live", "pending", "extent",
         "committed", "fifo_start", "fifo_count", "fifo_cap", "fifo_head", "fifo_len",
-        "index", "lru", "pinned", "chain", "namespace", "keyed", "fifo_tokens",
+        "index", "lru", "pinned", "chain", "namespace", "subkeys", "keyed", "fifo_tokens",
         "key_seed",
     ],
     meta_fields=["layout"],
@@ -122,6 +122,9 @@ class CacheState:
       chain: ``uint32[R, CHAIN_WORDS]``, the chain state of each request's committed tokens
         (:func:`flatkv_jax.prefix.keys.extend_chain`).
       namespace: ``int32[R]``, each request's namespace (low word).
+      subkeys: ``uint32[R, 3, LANES]``, each request's hash subkeys (term, chain, final) of
+        ``key_seed`` and its namespace (:class:`flatkv_jax.prefix.keys.Subkeys`), derived once
+        at admission so that a publishing step runs no cipher pass for them.
       keyed: ``bool[R]``, the request's committed tokens are known (it publishes).
       fifo_tokens: ``int32[R, D, T]``, the token ids of each in-flight step (``T = max(
         chunk_tokens, 1 + verify_width)``), published when the step retires.
@@ -148,6 +151,7 @@ class CacheState:
     pinned: jax.Array | None
     chain: jax.Array
     namespace: jax.Array
+    subkeys: jax.Array
     keyed: jax.Array
     fifo_tokens: jax.Array
     key_seed: jax.Array
@@ -272,6 +276,7 @@ def create_state(
         pinned=jnp.zeros((pool_layout(plan).total_pages,), jnp.bool_) if prefix else None,
         chain=jnp.zeros((r, CHAIN_WORDS), jnp.uint32),
         namespace=zeros(),
+        subkeys=jnp.zeros((r, 3, LANES), jnp.uint32),
         keyed=jnp.zeros((r,), jnp.bool_),
         fifo_tokens=jnp.zeros((r, fifo_depth, width), _I32),
         key_seed=jnp.asarray(new_seed() if seed is None else seed_words(seed)),

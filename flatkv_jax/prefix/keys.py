@@ -216,6 +216,16 @@ class Subkeys:
     chain: jax.Array
     final: jax.Array
 
+    def words(self) -> jax.Array:
+        """The three subkeys as one ``uint32[B, 3, LANES]`` array (``term, chain, final``):
+        how a coordinator state keeps each request's (``CacheState.subkeys``)."""
+        return jnp.stack([self.term, self.chain, self.final], axis=1)
+
+    @classmethod
+    def from_words(cls, words: jax.Array) -> Subkeys:
+        """The inverse of :meth:`words`."""
+        return cls(words[:, 0], words[:, 1], words[:, 2])
+
 
 def subkeys(seed, namespace, batch: int) -> Subkeys:
     """The three per-prompt subkeys of ``seed`` and each prompt's namespace."""
@@ -247,9 +257,13 @@ def token_terms(tokens: jax.Array, positions: jax.Array, sub: Subkeys, mask: jax
       sub: :func:`subkeys` of the prompts.
       mask: bool[B, T].
     """
+    return _terms(sub.term, tokens, positions, mask)
+
+
+def _terms(term_key: jax.Array, tokens: jax.Array, positions: jax.Array, mask: jax.Array):
     z = jnp.zeros(tokens.shape, _U32)
     x = jnp.stack([tokens.astype(_U32), positions.astype(_U32), z, z], axis=-1)
-    terms = _cipher(sub.term[:, None, :], x, TERM_ROUNDS)
+    terms = _cipher(term_key[:, None, :], x, TERM_ROUNDS)
     return jnp.where(mask[:, :, None], terms, _U32(0))
 
 
@@ -507,6 +521,7 @@ def extend_chain(
     *,
     seed,
     unit: int = 1,
+    sub: Subkeys | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Continues chain states over newly accepted tokens (the coordinator's publish path).
 
@@ -524,6 +539,8 @@ def extend_chain(
       seed: the secret key seed (as for :func:`chain_lanes`).
       unit: static; lanes are returned only at ends that are multiples of ``unit`` (1: at
         every token). Publishing asks for the spacing of the block ends it can publish.
+      sub: the rows' :func:`subkeys` of ``seed`` and ``namespace`` if already derived (the
+        coordinator keeps each request's from its admission): saves their cipher pass.
 
     Returns:
       ``(lanes, chain)``: ``lanes`` uint32[B, N, LANES], entry ``j`` the lanes of the prefix
@@ -545,7 +562,8 @@ def extend_chain(
             "pass the state returned with the hit (or zeros)",
         )
     c = CHAIN_TOKENS
-    sub = subkeys(seed, namespace, b)
+    if sub is None:
+        sub = subkeys(seed, namespace, b)
     offs = jnp.arange(t, dtype=jnp.int32)[None, :]
     pos = start[:, None] + offs
     terms = token_terms(tokens, pos, sub, offs < count[:, None])
@@ -588,6 +606,32 @@ def extend_chain(
     a_new = jnp.where((count > 0)[:, None], a_last, a0)
     a_new = jnp.where((end % c == 0)[:, None], _U32(0), a_new)
     return lanes, jnp.concatenate([s_new, a_new], axis=1)
+
+
+def add_terms(
+    chain: jax.Array, tokens: jax.Array, start: jax.Array, count: jax.Array, term_key: jax.Array
+) -> jax.Array:
+    """:func:`extend_chain`'s new chain state for rows whose tokens complete no chain block
+    (``(start + count) // CHAIN_TOKENS == start // CHAIN_TOKENS``): ``A`` gains their terms,
+    ``S`` is unchanged. One term per token and nothing else: no chain step, no finishing mix,
+    no lanes (such a row completes no publishable block unless a unit end falls inside).
+
+    Args:
+      chain: uint32[B, CHAIN_WORDS], the chain states at ``start``.
+      tokens: int32[B, T], the tokens at positions ``start .. start + T - 1``.
+      start: int32[B].
+      count: int32[B], how many of the T tokens are real.
+      term_key: uint32[B, LANES], the rows' term subkeys (``Subkeys.term``).
+
+    Returns:
+      uint32[B, CHAIN_WORDS], the chain states at ``start + count`` (wrong for a row whose
+      tokens reach a chain-block end: use :func:`extend_chain` for those).
+    """
+    t = tokens.shape[1]
+    offs = jnp.arange(t, dtype=jnp.int32)[None, :]
+    terms = _terms(term_key, tokens, start[:, None] + offs, offs < count[:, None])
+    acc = chain[:, LANES:] + jnp.sum(terms, axis=1, dtype=_U32)
+    return jnp.concatenate([chain[:, :LANES], acc], axis=1)
 
 
 def keys_from_lanes(lanes: jax.Array, ends: jax.Array, namespace) -> jax.Array:

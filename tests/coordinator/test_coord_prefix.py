@@ -9,6 +9,7 @@ The randomized cross-check is the oracle differential
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -386,6 +387,16 @@ def test_a_prefix_evicted_in_one_group_is_recomputed_and_shared_in_the_others():
     assert d.hit(toks) == 16
 
 
+def _fresh_retire():
+    """``ops.retire`` traced anew: ``jax.jit(ops.retire_fn, ...)`` would share the jitted
+    op's trace cache (keyed on the function), so a monkeypatched helper would go unseen."""
+
+    def retire(plan, state, batch, max_count=None):
+        return ops.retire_fn(plan, state, batch, max_count=max_count)
+
+    return jax.jit(retire, static_argnames=("plan", "max_count"), donate_argnums=1)
+
+
 def test_publishing_in_chunks_gives_the_single_pass_result(monkeypatch):
     """Publish compacts the offered blocks and inserts them in chunks of
     ``publish.publish_chunk(N)`` rows, each chunk seeing what earlier ones indexed. With chunks
@@ -413,8 +424,7 @@ def test_publishing_in_chunks_gives_the_single_pass_result(monkeypatch):
     # The second request shares the first one's published pages (one indexed copy).
     assert whole.pages_of(b)["c4_kv"][0] == whole.pages_of(a)["c4_kv"][0]
     monkeypatch.setattr(publish, "publish_chunk", lambda n: 1)
-    retire_1 = jax.jit(ops.retire_fn, static_argnames=("plan", "max_count"), donate_argnums=1)
-    chunked, _, _ = run(retire_1)
+    chunked, _, _ = run(_fresh_retire())
     assert_same(snapshot(whole.state), snapshot(chunked.state))
 
 
@@ -512,3 +522,85 @@ def test_eviction_bounds_cover_every_grow_and_follow_each_pools_span():
         "c128_kv": 32,
         "c128_state": 512,
     }
+
+
+def test_decode_publish_of_few_rows_is_the_publish_of_every_row(monkeypatch):
+    """A decode step hashes and offers only the rows that reach a block end, compacted
+    (``publish.publish_rows``: 8 of 32 rows on V4-Flash, where blocks end every 64 tokens);
+    the others add their token's term to the chain. 32 requests (a shared 128-token system
+    prompt, twelve of them one token short of a chain-block end, so every 64th decode step has
+    more reaching rows than the compacted batch holds and takes the every-row path) decode 140
+    steps: the state after every step is the one of a run that hashes every row."""
+    from flatkv_jax.coordinator import publish
+
+    groups = deepseek_v4_groups(
+        v4_flash(c4_rows=32, c128_rows=1, kv_format="bf16", indexer_format="bf16"), verify_width=0
+    )
+    plan = plan_with_pages(groups, ServingLimits(32, 1024, 256, 0, step_tokens=32 * 256), 4000)
+    b = plan.limits.max_requests
+    assert publish.publish_rows(plan, b, 1) == 8
+    rng = np.random.default_rng(7)
+    system = rng.integers(0, 30_000, 128).tolist()
+    lengths = [127] * 12 + rng.integers(130, 256, b - 12).tolist()
+    prompts = [(system if i % 2 else []) + rng.integers(0, 30_000, 256).tolist() for i in range(b)]
+    prompts = [p[:n] for p, n in zip(prompts, lengths, strict=True)]
+    reaching = []
+
+    def run(retire):
+        d = PrefixDriver(plan)
+        res = d._run(
+            ops.admit,
+            host.admit_batch(plan, [(n, n) for n in lengths], tokens=prompts),
+        )
+        assert host.statuses(res, b) == [Status.OK] * b
+        hs = host.handles(res, b)
+        counts = [int(c) for c in np.asarray(res.count)[:b]]
+        pos = [int(h) + c for h, c in zip(np.asarray(res.hit)[:b], counts, strict=True)]
+        res = d._run(retire, host.retire_batch(plan, list(zip(hs, counts, strict=True))))
+        assert host.statuses(res, b) == [Status.OK] * b
+        states = []
+        for i in range(140):
+            reaching.append(sum((p + 1) % 64 == 0 for p in pos))
+            toks = [[(7 * i + r) % 30_000] for r in range(b)]
+            res = d._run(ops.extend, host.extend_batch(plan, [(h, 1) for h in hs], tokens=toks))
+            assert host.statuses(res, b) == [Status.OK] * b
+            res = d._run(retire, host.retire_batch(plan, [(h, 1) for h in hs]), max_count=1)
+            assert host.statuses(res, b) == [Status.OK] * b
+            d._run(ops.reclaim, host.handle_batch(plan, hs))
+            pos = [p + 1 for p in pos]
+            states.append(snapshot(d.state))
+        return states
+
+    compacted = run(ops.retire)
+    # Both paths ran: steps where the twelve reach together, and steps with a few rows.
+    assert reaching[0] == 12 and sum(1 <= r <= 8 for r in reaching) > 20
+    monkeypatch.setattr(publish, "publish_rows", lambda plan, b, width: b)
+    for x, y in zip(compacted, run(_fresh_retire()), strict=True):
+        _assert_same_up_to_bucket_placement(x, y)
+
+
+def _index_entries(ixs):
+    """The set of ``(group, key words, page)`` an index set holds, and the held pages (where
+    in its bucket pair each key sits is left out)."""
+    keys, pages = np.asarray(ixs.keys), np.asarray(ixs.pages)
+    group = np.repeat(np.arange(len(ixs.num_buckets)), ixs.num_buckets)
+    rows, ways = np.nonzero(pages > 0)
+    entries = {
+        (int(group[r]), tuple(keys[r, w].tolist()), int(pages[r, w]))
+        for r, w in zip(rows, ways, strict=True)
+    }
+    return entries, np.flatnonzero(np.asarray(ixs.slot_of_page) >= 0)
+
+
+def _assert_same_up_to_bucket_placement(a, b):
+    """Equal states, except that a key may sit in the other bucket of its pair (an insert
+    picks the less loaded one as loaded before the call, so inserts split over several calls
+    can place a key differently from one call): the index holds the same keys -> pages."""
+    ea, eb = _index_entries(a.index), _index_entries(b.index)
+    assert ea[0] == eb[0]
+    np.testing.assert_array_equal(ea[1], eb[1])
+    np.testing.assert_array_equal(np.asarray(a.index.count), np.asarray(b.index.count))
+    strip = dict(keys=None, pages=None, slot_of_page=None)
+    a = dataclasses.replace(a, index=dataclasses.replace(a.index, **strip))
+    b = dataclasses.replace(b, index=dataclasses.replace(b.index, **strip))
+    assert_same(a, b)

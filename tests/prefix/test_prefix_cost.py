@@ -119,13 +119,13 @@ def test_prompt_wider_than_the_tokens_is_bad_arg():
     assert host.statuses(res, 2) == [Status.BAD_ARG, Status.OK]
 
 
-def _decode_retire(pages: int):
+def _decode_retire(pages: int, groups=GROUPS, b: int = B):
     """The compiled decode retire (publishing on, ``max_count = decode_tokens``) of a plan
     with ``pages`` pages per pool."""
-    plan = plan_with_pages(GROUPS, ServingLimits(B, 1024, 32, 2), pages)
+    plan = plan_with_pages(groups, ServingLimits(b, 1024, 32, 2), pages)
     state = jax.eval_shape(lambda: create_state(plan, seed=0))
-    i32 = jax.ShapeDtypeStruct((B,), jnp.int32)
-    batch = RetireBatch(jax.ShapeDtypeStruct((B,), jnp.bool_), i32, i32, i32)
+    i32 = jax.ShapeDtypeStruct((b,), jnp.int32)
+    batch = RetireBatch(jax.ShapeDtypeStruct((b,), jnp.bool_), i32, i32, i32)
     return ops.retire.lower(plan, state, batch, max_count=plan.limits.decode_tokens).compile()
 
 
@@ -137,6 +137,26 @@ def test_decode_retire_publishes_all_groups_at_once_without_index_sized_copies()
     small, big = _decode_retire(1200), _decode_retire(19200)
     sorts = small.as_text().count(" sort(")
     assert 0 < sorts <= 10, sorts  # per-group inserts: 8 per group (56 for 7 groups)
+    t_small = small.memory_analysis().temp_size_in_bytes
+    t_big = big.memory_analysis().temp_size_in_bytes
+    assert t_big <= 1.05 * t_small + 4096, (t_small, t_big)
+
+
+def test_decode_retire_of_few_reaching_rows_makes_no_index_sized_copies():
+    """On V4-Flash (blocks end every 64 tokens) a decode retire of 64 rows hashes and offers
+    only the rows that reach a block end, 16 per pass (``publish_rows``). Its temporaries do
+    not grow with the pools, the indexes or the LRUs (16x the pages): the passes run in a
+    loop inside the one publish branch (a cond between a compacted and a full pass had XLA
+    copy the index and the tables on every step)."""
+    from flatkv_jax.coordinator.publish import publish_rows
+    from flatkv_jax.recipes import v4_flash
+
+    groups = deepseek_v4_groups(
+        v4_flash(c4_rows=32, c128_rows=1, kv_format="bf16", indexer_format="bf16"), verify_width=2
+    )
+    plan = plan_with_pages(groups, ServingLimits(64, 1024, 32, 2), 600)
+    assert publish_rows(plan, 64, plan.limits.decode_tokens) == 16
+    small, big = _decode_retire(600, groups, 64), _decode_retire(9600, groups, 64)
     t_small = small.memory_analysis().temp_size_in_bytes
     t_big = big.memory_analysis().temp_size_in_bytes
     assert t_big <= 1.05 * t_small + 4096, (t_small, t_big)

@@ -398,3 +398,44 @@ def test_looped_rounds_give_the_unrolled_words(monkeypatch):
     for a, b in zip(looped, unrolled, strict=True):
         np.testing.assert_array_equal(a, b)
     assert not np.array_equal(looped[1], looped[2])
+
+
+def test_stored_subkeys_and_add_terms_continue_the_chain_as_extend_chain(rng):
+    """The coordinator keeps each request's subkeys (``Subkeys.words``, derived once at
+    admission): ``extend_chain(sub=...)`` gives the same lanes and chain state as deriving
+    them from the seed. ``add_terms`` (the rows of a decode step that reach no block end) gives
+    ``extend_chain``'s chain state for every row whose tokens end inside their chain block,
+    for one-token steps and wider ones, aligned and unaligned starts."""
+    n = 400
+    t = rng.integers(0, 50_000, size=(3, n)).astype(np.int32)
+    ns = jnp.asarray([[1, 0], [5, 2], [1, 0]], jnp.uint32)
+    ph = chain_lanes(jnp.asarray(t), jnp.full((3,), n, jnp.int32), ns, seed=SEED, unit=1)
+    sub = K.subkeys(SEED, ns, 3)
+    words = sub.words()
+    assert words.shape == (3, 3, K.LANES) and words.dtype == jnp.uint32
+    back = K.Subkeys.from_words(words)
+    for x, y in zip(
+        (back.term, back.chain, back.final), (sub.term, sub.chain, sub.final), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    checked = 0
+    for starts, width, counts in (
+        ((5, 128, 200), 1, (1, 1, 1)),
+        ((0, 129, 250), 4, (4, 3, 0)),
+        ((64, 130, 300), 60, (60, 20, 1)),
+        ((126, 255, 100), 1, (1, 1, 0)),
+    ):
+        start = jnp.asarray(starts, jnp.int32)
+        count = jnp.asarray(counts, jnp.int32)
+        state = K.chain_state(ph, start)
+        toks = jnp.asarray(np.stack([t[r, s : s + width] for r, s in enumerate(starts)]))
+        lanes_s, chain_s = extend_chain(state, toks, start, count, ns, seed=SEED, sub=back)
+        lanes, chain = extend_chain(state, toks, start, count, ns, seed=SEED)
+        np.testing.assert_array_equal(np.asarray(lanes_s), np.asarray(lanes))
+        np.testing.assert_array_equal(np.asarray(chain_s), np.asarray(chain))
+        added = np.asarray(K.add_terms(state, toks, start, count, back.term))
+        for r in range(3):
+            if (starts[r] + counts[r]) // K.CHAIN_TOKENS == starts[r] // K.CHAIN_TOKENS:
+                np.testing.assert_array_equal(added[r], np.asarray(chain)[r])
+                checked += 1
+    assert checked >= 8
