@@ -105,15 +105,9 @@ def evict(
     removal and the decref walk their sum."""
     n_g = len(plan.groups)
     bounds = (max_pages,) * n_g if isinstance(max_pages, int) else tuple(max_pages)
-    lru, out = state.lru, []
-    off = pool_layout(plan).page_offset
-    for g in range(n_g):
-        lru, pages, _ = lru_lib.evict_in(
-            lru, g, n[g], max_pages=bounds[g], pinned=state.pinned, pin_offset=off[g]
-        )
-        out.append(pages)
+    # Every pool in one loop (seven per-pool loops cost ~70 thunks per evicting step).
+    lru, pages, _ = lru_lib.evict_all(state.lru, n, max_pages=bounds, pinned=state.pinned)
     group = jnp.asarray(np.repeat(np.arange(n_g, dtype=np.int32), bounds))
-    pages = jnp.concatenate(out)
     # Every pool's evicted pages leave the index in one removal (each popped once: distinct).
     index, _ = index_lib.remove_in(state.index, group, pages, pages >= 0, distinct=True)
     pools, _ = decref(state.allocator, pool_layout(plan), group, pages)

@@ -40,6 +40,7 @@ import itertools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flatkv_jax.errors import check_nonnegative_int, check_positive_int, fail
 from flatkv_jax.plan import RESERVED_PAGES, CachePlan, check_plan
@@ -571,6 +572,129 @@ def _take(lrus: CachedLRUSet, marks, group, pages, valid):
     gone = _per_pool_sum(first_occurrence((group, pages), was), gi, lrus.groups, jnp.int32)
     cached = cached.at[jnp.where(was, addr, cached.shape[0])].set(False, mode="drop")
     return cached, count - gone, was
+
+
+def evict_all(
+    lrus: CachedLRUSet,
+    n: jax.Array,
+    *,
+    max_pages: tuple[int, ...],
+    pinned: jax.Array | None = None,
+) -> tuple[CachedLRUSet, jax.Array, jax.Array]:
+    """:func:`evict_in` from every pool at once: the result of one :func:`evict_in` per pool
+    (pool ``g``: ``n[g]`` pages, ``max_pages[g]`` its static bound, its pin flags at its page
+    offset in the flat mask ``pinned``), walked as one ``[G, chunk]`` loop instead of one
+    loop per pool (on XLA:CPU each loop costs its thunks whatever its size: a grow that
+    evicts walked seven). The caller removes the pages from the index.
+
+    Args:
+      lrus: the set.
+      n: int32[G], pages wanted per pool (clipped as :func:`evict` clips).
+      max_pages: static, one bound per pool.
+      pinned: optional bool[sum(num_pages)], every pool's pin flags at its page offset.
+
+    Returns:
+      ``(lrus, pages, evicted)``: ``pages`` int32[sum(max_pages)], pool ``g``'s evicted pages
+      in LRU order in its ``max_pages[g]`` entries (pools in order), padded with -1;
+      ``evicted`` int32[G].
+    """
+    g_n = lrus.groups
+    bounds = tuple(max_pages)
+    if len(bounds) != g_n:
+        fail(
+            "max_pages",
+            bounds,
+            f"one bound per pool of the set ({g_n})",
+            "pass a tuple of ints, one per pool",
+        )
+    for b in bounds:
+        check_nonnegative_int("max_pages", b)
+    widths = [min(max(b, 64), r) if b else 0 for b, r in zip(bounds, lrus.ring_sizes, strict=True)]
+    if max(bounds) == 0:
+        return lrus, jnp.zeros((0,), jnp.int32), jnp.zeros((g_n,), jnp.int32)
+    # One flat window of every pool's lanes (pool g: `widths[g]` consecutive lanes), not a
+    # [G, max width] grid: an admission's bounds range from 32 to 1,024 entries per pool.
+    u32, i32 = jnp.uint32, jnp.int32
+    lane_g_np = np.repeat(np.arange(g_n), widths)
+    seg_start = np.concatenate([[0], np.cumsum(widths)[:-1]])
+    lane_g = jnp.asarray(lane_g_np, i32)
+    j = jnp.asarray(np.arange(len(lane_g_np)) - seg_start[lane_g_np], u32)
+    n_lanes = len(lane_g_np)
+    ring_mask = jnp.asarray(np.asarray(lrus.ring_sizes)[lane_g_np] - 1, u32)
+    r0 = jnp.asarray(np.asarray(lrus.ring_offset)[lane_g_np], i32)
+    p0 = jnp.asarray(np.asarray(lrus.page_offset)[lane_g_np], i32)
+    out_off_np = np.concatenate([[0], np.cumsum(bounds)[:-1]])
+    out_off = jnp.asarray(out_off_np[lane_g_np], i32)
+    n_out = sum(bounds)
+    width = jnp.asarray(widths, u32)
+    # Per pool, the running count at the lane before its window (static positions).
+    before = jnp.asarray(seg_start, i32)
+    last_lane = jnp.asarray(seg_start + np.asarray(widths), i32)
+    n = jnp.clip(jnp.asarray(n, i32), 0, jnp.minimum(lrus.count, jnp.asarray(bounds)))
+    tail = lrus.tail
+
+    def active(cursor, got):
+        return (got < n) & (cursor != tail)
+
+    def first_lane(flag):
+        """int32[G]: each pool's first flagged lane (window-relative), its width if none."""
+        at = jnp.where(flag, j.astype(i32), n_lanes)
+        return jnp.full((g_n,), n_lanes, i32).at[lane_g].min(at)
+
+    def body(carry):
+        cursor, head, stopped, out, got = carry
+        on = active(cursor, got)
+        seq_at = cursor[lane_g] + j
+        page = lrus.ring[r0 + (seq_at & ring_mask).astype(i32)]
+        live = (
+            on[lane_g]
+            & (j < (tail - cursor)[lane_g])
+            & lrus.cached[p0 + page]
+            & (lrus.seq_of_page[p0 + page] == seq_at)
+        )
+        keep = live & pinned[p0 + page] if pinned is not None else jnp.zeros_like(live)
+        live = live & ~keep
+        cs = jnp.cumsum(live.astype(i32))
+        cs0 = jnp.concatenate([jnp.zeros((1,), i32), cs])
+        nth = cs - cs0[before][lane_g]  # the lane's rank among its pool's live lanes
+        total = cs0[last_lane] - cs0[before]  # [G]
+        left = n - got
+        take = live & (nth <= left[lane_g])
+        slot = jnp.where(take, out_off + got[lane_g] + nth - 1, n_out)
+        out = out.at[slot].set(page, mode="drop")
+        done = total >= left
+        last = first_lane(take & (nth == left[lane_g])).astype(u32)
+        step = jnp.where(done, last + u32(1), jnp.minimum(width, tail - cursor))
+        step = jnp.where(on, step, u32(0))
+        kept = first_lane(keep & (j < step[lane_g]))
+        any_kept = kept < n_lanes
+        head = jnp.where(
+            stopped | ~on, head, jnp.where(any_kept, cursor + kept.astype(u32), cursor + step)
+        )
+        got = got + jnp.where(on, jnp.minimum(total, left), 0)
+        return cursor + step, head, stopped | any_kept, out, got
+
+    init = (
+        lrus.head,
+        lrus.head,
+        jnp.zeros((g_n,), bool),
+        jnp.full((n_out,), -1, i32),
+        jnp.zeros((g_n,), i32),
+    )
+    _, head, _, pages, got = jax.lax.while_loop(
+        lambda carry: jnp.any(active(carry[0], carry[4])), body, init
+    )
+    taken = pages >= 0
+    page_base = jnp.asarray(np.repeat(np.asarray(lrus.page_offset), bounds), i32)
+    lrus = dataclasses.replace(
+        lrus,
+        cached=lrus.cached.at[jnp.where(taken, page_base + pages, lrus.cached.shape[0])].set(
+            False, mode="drop"
+        ),
+        head=head,
+        count=lrus.count - got,
+    )
+    return lrus, pages, got
 
 
 def evict_in(

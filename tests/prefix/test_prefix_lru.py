@@ -393,3 +393,55 @@ def test_lru_set_equals_one_lru_per_pool():
     assert compacted, "no ring compacted"
     assert evicted, "nothing evicted"
     _same(L.pack(L.unpack(s)), s)
+
+
+def test_evict_all_equals_one_evict_per_pool():
+    """``evict_all`` (every pool's eviction in one loop, the coordinator's grow) gives the
+    pages, counts and set of one ``evict_in`` per pool in turn: random pushes and takes (stale
+    ring entries), pinned pages, wanted counts from none to more than a pool holds, bounds
+    from 0 to past a small ring, including chunks wider than 64 entries."""
+    rng = np.random.default_rng(5)
+    pool = (12, 200, 9, 90)
+    rings = (32, 512, 16, 256)
+    s = L.pack(tuple(L.create_lru(p, ring_size=r) for p, r in zip(pool, rings, strict=True)))
+    cache_in, take_in = jax.jit(L.cache_in), jax.jit(L.take_in)
+    evict_in = jax.jit(L.evict_in, static_argnames=("g", "max_pages", "pin_offset"))
+    evict_all = jax.jit(L.evict_all, static_argnames=("max_pages",))
+    pinned_some = evicted_more_than_64 = False
+    for step in range(30):
+        m = 120
+        group = rng.integers(0, 4, m).astype(np.int32)
+        pages = rng.integers(1, 199, m).astype(np.int32)
+        s = cache_in(s, jnp.asarray(group), jnp.asarray(pages), jnp.ones(m, bool))
+        tg = rng.integers(0, 4, 20).astype(np.int32)
+        tp = rng.integers(0, 199, 20).astype(np.int32)
+        s = take_in(s, jnp.asarray(tg), jnp.asarray(tp), jnp.ones(20, bool))
+        if step % 3 != 2:  # let the pools fill between evictions
+            continue
+        pinned = jnp.asarray(rng.random(sum(pool)) < (0.2 if step % 2 else 0.0))
+        bounds = tuple(int(b) for b in rng.choice([0, 1, 3, 20, 100, 300], 4))
+        n = jnp.asarray(rng.integers(0, 120, 4), jnp.int32)
+        if step == 29:  # the last: as much as each pool holds, in chunks past 64 entries
+            bounds, n = (300,) * 4, jnp.full((4,), 300, jnp.int32)
+        want, outs, gots = s, [], []
+        for g in range(4):
+            want, out, got = evict_in(
+                want,
+                g,
+                n[g],
+                max_pages=bounds[g],
+                pinned=pinned,
+                pin_offset=want.page_offset[g],
+            )
+            outs.append(np.asarray(out))
+            gots.append(int(got))
+        s, pages_all, got_all = evict_all(s, n, max_pages=bounds, pinned=pinned)
+        np.testing.assert_array_equal(np.asarray(pages_all), np.concatenate(outs))
+        assert np.asarray(got_all).tolist() == gots
+        for a, b in zip(jax.tree.leaves(s), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        pinned_some |= bool(np.asarray(pinned).any()) and sum(gots) > 0
+        evicted_more_than_64 |= max(gots) > 64
+    assert pinned_some and evicted_more_than_64
+    with pytest.raises(ValueError, match="one bound per pool"):
+        L.evict_all(s, jnp.zeros(4, jnp.int32), max_pages=(1, 2))
