@@ -148,9 +148,9 @@ def publish_blocks(
         # The reaching rows, in batch order, `k` at a time (one pass unless more than `k`
         # reach): each pass sees what earlier ones published, so the index ends with the
         # keys -> pages of one pass over every row (a key may sit in the other bucket of its
-        # pair: an insert picks the less loaded one as loaded before its call). (A loop, not a cond between a compacted and a full pass: XLA copied the
-        # index and the tables, ~13 MB at B = 256, for a conditional with two writing
-        # branches.)
+        # pair: an insert picks the less loaded one as loaded before its call). A loop, not
+        # a cond between a compacted and a full pass: XLA copied the index and the tables,
+        # ~13 MB at B = 256, for a conditional with two writing branches.
         order = jnp.nonzero(reach, size=b, fill_value=b)[0].astype(_I32)
         order = jnp.pad(order, (0, -b % k), constant_values=b)
 

@@ -583,9 +583,10 @@ def evict_all(
 ) -> tuple[CachedLRUSet, jax.Array, jax.Array]:
     """:func:`evict_in` from every pool at once: the result of one :func:`evict_in` per pool
     (pool ``g``: ``n[g]`` pages, ``max_pages[g]`` its static bound, its pin flags at its page
-    offset in the flat mask ``pinned``), walked as one ``[G, chunk]`` loop instead of one
-    loop per pool (on XLA:CPU each loop costs its thunks whatever its size: a grow that
-    evicts walked seven). The caller removes the pages from the index.
+    offset in the flat mask ``pinned``), walked in one loop over a flat window of every
+    pool's ring entries (pool ``g``: as many as :func:`evict_in` walks per iteration) instead
+    of one loop per pool (on XLA:CPU each loop costs its thunks whatever its size: a grow
+    that evicts walked seven). The caller removes the pages from the index.
 
     Args:
       lrus: the set.
@@ -637,7 +638,8 @@ def evict_all(
         return (got < n) & (cursor != tail)
 
     def first_lane(flag):
-        """int32[G]: each pool's first flagged lane (window-relative), its width if none."""
+        """int32[G]: each pool's first flagged lane (relative to its window), ``n_lanes``
+        if none."""
         at = jnp.where(flag, j.astype(i32), n_lanes)
         return jnp.full((g_n,), n_lanes, i32).at[lane_g].min(at)
 
