@@ -13,6 +13,11 @@ table size. Each answers from the rows that share their values with another row:
 
 On XLA:CPU a sort of the 9 key columns of 512 rows costs ~0.5 ms and of 2,048 rows ~2 ms;
 the hashed path ~0.1-0.2 ms at either size (a prefill's publish chunks and LRU listings).
+Every pair of up to 512 rows is one fused compare, cheaper than either: measured alone
+(first occurrence on 8 columns plus a rank, dispatch included) 115 against 174 us at 128
+rows and 310 against 459 us at 512, but 806 against 509 us at 1,024 (it grows as N^2); on
+the vs_vllm trace, raising the bound from 32 to 512 made a B = 256 decode step x0.87 and
+admissions x0.83-0.86 (benchmarks/ab_compiled.py, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-#: Batches of at most this many rows are compared pairwise, every pair.
-PAIRWISE = 32
+#: Batches of at most this many rows are compared pairwise, every pair (the knee measured
+#: on XLA:CPU; see the module docstring).
+PAIRWISE = 512
 #: Suspects of a larger batch compared pairwise; more sort the batch.
 SUSPECTS = 64
 

@@ -58,7 +58,7 @@ def _scan(cols, valid):
     return first, idx, last, rank
 
 
-@pytest.mark.parametrize("n", [1, 32, 33, 128, 300, 1000, 3000])
+@pytest.mark.parametrize("n", [1, 32, 33, 128, 300, 512, 513, 1000, 3000])
 def test_batch_rules_are_exact_on_every_path(n):
     """Pairwise (n <= PAIRWISE), hashed suspects compared pairwise, and the sorted fallback
     (more suspects than SUSPECTS: many repeats) all give the Python scan's answers, for
