@@ -15,7 +15,7 @@ from flatkv_jax.block_pool import (
     evictable_pages,
     fit,
 )
-from flatkv_jax.coordinator.layout import per_group, state_layout
+from flatkv_jax.coordinator.layout import ceil_div_groups, per_group, state_layout
 from flatkv_jax.coordinator.rows import ceil_div, replace, set_cols, set_rows
 from flatkv_jax.coordinator.segments import segment_rows
 from flatkv_jax.coordinator.state import CacheState, pool_layout, table_size
@@ -54,7 +54,7 @@ def grow(
     layout = pool_layout(plan)
     n_g = len(plan.groups)
     hi = state.hi[:, s].T if hi is None else hi  # [B, G]
-    needs = jnp.maximum(0, ceil_div(new_end[:, None], per_group(lay.block_tokens)[None, :]) - hi)
+    needs = jnp.maximum(0, ceil_div_groups(new_end[:, None], lay.block_tokens, 1) - hi)
     needs = jnp.where(want[:, None], needs, 0)
     top = state.allocator.top
     if state.prefix:

@@ -45,7 +45,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from flatkv_jax.coordinator.checks import check_state_for_plan, check_step_results
-from flatkv_jax.coordinator.layout import per_group, resolve_max_count, state_layout
+from flatkv_jax.coordinator.layout import (
+    div_groups,
+    mod_groups,
+    per_group,
+    resolve_max_count,
+    state_layout,
+)
 from flatkv_jax.coordinator.results import StepResult
 from flatkv_jax.coordinator.segments import segment_rows
 from flatkv_jax.coordinator.state import CacheState
@@ -161,18 +167,16 @@ def step_metadata_fn(
     s_safe = jnp.clip(tslot, 0, r - 1)
 
     lay = state_layout(plan)
-    bt, rpp, tpr = (
-        per_group(v)[:, None] for v in (lay.block_tokens, lay.rows_per_page, lay.tokens_per_row)
-    )
+    rpp = per_group(lay.rows_per_page)[:, None]
     width, base = per_group(lay.table_width)[:, None], per_group(lay.table_offset)[:, None]
     # Writes, every group at once: [G, T].
     p_safe = jnp.maximum(pos, 0)[None, :]
-    blk = jnp.minimum(p_safe // bt, width - 1)
+    blk = jnp.minimum(div_groups(p_safe, lay.block_tokens, 0), width - 1)
     page = state.table_buffer[base + s_safe[None, :] * width + blk]
-    completes = (p_safe + 1) % tpr == 0
-    write_slot = jnp.where(
-        t_on[None, :] & completes & (page > 0), page * rpp + (p_safe // tpr) % rpp, -1
-    )
+    completes = mod_groups(p_safe + 1, lay.tokens_per_row, 0) == 0
+    # Per-group spans are static powers of two on V4: shifts and masks, not divisions.
+    row_in_page = mod_groups(div_groups(p_safe, lay.tokens_per_row, 0), lay.rows_per_page, 0)
+    write_slot = jnp.where(t_on[None, :] & completes & (page > 0), page * rpp + row_in_page, -1)
     # Window read index: for each window group the pages of the blocks covering
     # [start - window + 1, start + count); the kernel turns a position into a slot itself, so
     # this costs a few entries per request, not one per row. Columns of all groups side by
@@ -182,15 +186,16 @@ def step_metadata_fn(
     col_j = np.concatenate([np.arange(n, dtype=np.int32) for _, n in cols])
     win = per_group(lay.window)[:, None]
     first = jnp.where(
-        on[None, :] & per_group(lay.is_window)[:, None], (start[None, :] - (win - 1)) // bt, 0
+        on[None, :] & per_group(lay.is_window)[:, None],
+        div_groups(start[None, :] - (win - 1), lay.block_tokens, 0),
+        0,
     )
     if col_g.size:
         cg = jnp.asarray(col_g)
         blk = first[cg].T + jnp.asarray(col_j)[None, :]  # [S, C]
-        cbt, cw, cbase = (
-            per_group(v)[cg][None, :] for v in (lay.block_tokens, lay.table_width, lay.table_offset)
-        )
-        last = (start + count - 1)[:, None] // cbt
+        cw, cbase = (per_group(v)[cg][None, :] for v in (lay.table_width, lay.table_offset))
+        col_bt = tuple(lay.block_tokens[g] for g in col_g)
+        last = div_groups((start + count - 1)[:, None], col_bt, 1)
         srow = jnp.clip(slot, 0, r - 1)[:, None]
         wpage = state.table_buffer[cbase + srow * cw + jnp.clip(blk, 0, cw - 1)]
         ok = on[:, None] & (blk >= 0) & (blk <= last) & (wpage > 0)

@@ -48,7 +48,13 @@ from flatkv_jax.coordinator.batches import (
     RewindBatch,
 )
 from flatkv_jax.coordinator.checks import check_batch, check_same_step, check_state_for_plan
-from flatkv_jax.coordinator.layout import pages_per_row, per_group, resolve_max_count, state_layout
+from flatkv_jax.coordinator.layout import (
+    div_groups,
+    pages_per_row,
+    per_group,
+    resolve_max_count,
+    state_layout,
+)
 from flatkv_jax.coordinator.publish import (
     match_layout,
     pin,
@@ -148,7 +154,6 @@ def admit_fn(
     count = jnp.minimum(batch.first_chunk, batch.prompt_len - hit)
     step_full = over_step_budget(plan, rows.want, count, same_step)
     want = rows.want & ~step_full
-    bt = per_group(state_layout(plan).block_tokens)[None, :]
     state, served, part = grow(
         plan,
         state,
@@ -156,7 +161,7 @@ def admit_fn(
         want,
         hit + count,
         pages_per_row(plan, mc),
-        hi=hit[:, None] // bt,
+        hi=div_groups(hit[:, None], state_layout(plan).block_tokens, 1),
         pinned_cached=pinned_cached,
     )
     if batch.tokens is None:
@@ -261,14 +266,15 @@ def _record_prefix_admission(
     """Served rows take their hit pages; window columns before the trailing run become holes;
     the request's chain state, namespace and first step's tokens are recorded."""
     lay = state_layout(plan)
-    bt = per_group(lay.block_tokens)[None, :]
     tokens = batch.tokens
     b = tokens.shape[0]
     ns = jnp.zeros((b,), _I32) if batch.namespace is None else batch.namespace
     state = take_hits(plan, state, m, s, served, listing)
     need = jnp.asarray([gm.need for gm in match_layout(plan, tokens.shape[1]).groups], _I32)
     lo = jnp.where(
-        per_group(lay.is_window)[None, :], jnp.maximum(0, hit[:, None] // bt - need[None, :]), 0
+        per_group(lay.is_window)[None, :],
+        jnp.maximum(0, div_groups(hit[:, None], lay.block_tokens, 1) - need[None, :]),
+        0,
     )
     t_w = plan.limits.max_count
     pos = jnp.clip(hit[:, None] + jnp.arange(t_w, dtype=_I32)[None, :], 0, tokens.shape[1] - 1)
@@ -588,14 +594,14 @@ def reclaim_fn(
     lay = state_layout(plan)
     c = state.committed[s]
     lo, hi = state.lo[:, s], state.hi[:, s]  # [G, B]
-    bt, win = per_group(lay.block_tokens)[:, None], per_group(lay.window)[:, None]
+    win = per_group(lay.window)[:, None]
     period, carry = per_group(lay.period)[:, None], per_group(lay.carry)[:, None]
     # GroupSpec.first_read, per group: a period group restarts at each multiple of its period
     # and reads back only its carry (V4's ratio-128 state: nothing before the boundary).
     start = c[None, :] - win + 1
-    restart = c[None, :] // jnp.maximum(period, 1) * period - carry
+    restart = div_groups(c[None, :], tuple(max(p, 1) for p in lay.period), 0) * period - carry
     start = jnp.where(period > 0, jnp.maximum(start, restart), start)
-    behind = jnp.maximum(0, start) // bt
+    behind = div_groups(jnp.maximum(0, start), lay.block_tokens, 0)
     new_lo = jnp.where(per_group(lay.is_window)[:, None], jnp.clip(behind, lo, hi), lo)
     state = sweep(plan, state, s, go, lo, new_lo, 0, reclaim_chunk(plan, b, max_count))
     state = replace(state, lo=set_cols(state.lo, s, go, new_lo))

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flatkv_jax.block_pool import decref, flat_ids, incref
-from flatkv_jax.coordinator.layout import per_group, state_layout
+from flatkv_jax.coordinator.layout import div_groups, per_group, state_layout
 from flatkv_jax.coordinator.rows import ceil_div, replace, set_rows
 from flatkv_jax.coordinator.state import CacheState, pool_layout, table_size
 from flatkv_jax.plan import CachePlan
@@ -412,15 +412,16 @@ def _completed_blocks(
     bt, w, st = const(lay.block_tokens), const(lay.table_width), const(strides)
     n_ends = width // strides[run[0]] + 1
     k = jnp.arange(n_ends, dtype=_I32)[None, None, :]
-    ends = (c_old[None, :, None] // st + 1 + k) * st
+    ends = (div_groups(c_old[None, :, None], tuple(strides[g] for g in run), 0) + 1 + k) * st
     ok = pub[None, :, None] & (ends <= c_new[None, :, None])
     at = jnp.clip(ends // unit - c_old[None, :, None] // unit - 1, 0, lanes.shape[1] - 1)
     g_n, b = len(run), s.shape[0]
     new_sums = lanes[jnp.arange(b, dtype=_I32)[None, :, None], at]  # [groups, B, N, LANES]
-    slot = jnp.clip(ends // bt - 1, 0, w - 1)
+    blk = div_groups(ends, tuple(lay.block_tokens[g] for g in run), 0)
+    slot = jnp.clip(blk - 1, 0, w - 1)
     if any(lay.is_window[g] for g in run):
         start = hit_run_start(bt, const(lay.hit_reach), plan.prefix_granularity, ends)
-        ok = ok & (~const(lay.is_window) | (ends // bt - 1 >= start))
+        ok = ok & (~const(lay.is_window) | (blk - 1 >= start))
     tidx = const(lay.table_offset) + s[None, :, None] * w + slot
     entry = state.table_buffer[tidx]
     group = jnp.broadcast_to(per_group(run)[:, None, None], ok.shape)
