@@ -283,7 +283,15 @@ def _insert(
     second = jnp.take_along_axis(bk, 1 - pick[:, None], axis=1)[:, 0]
     t, placed1 = _place(t, k, pages, addr, first, want, rank_within(first, want))
     w2 = want & ~placed1
-    t, placed2 = _place(t, k, pages, addr, second, w2, rank_within(second, w2))
+    # A row overflows its less loaded bucket only when that bucket is (nearly) full: rare
+    # below full load, so the second pass (a rank, a gather, three scatters) is skipped when
+    # no row overflowed. One branch writes, the other passes the tables through: no copy.
+    t, placed2 = jax.lax.cond(
+        jnp.any(w2),
+        lambda tb: _place(tb, k, pages, addr, second, w2, rank_within(second, w2)),
+        lambda tb: (tb, jnp.zeros_like(w2)),
+        t,
+    )
     return t, placed1 | placed2, held, present
 
 
