@@ -234,11 +234,12 @@ def _place(
     placed = want & (rank < nth[:, -1])
     way = jnp.argmax(free & (nth == rank[:, None] + 1), axis=1).astype(jnp.int32)
     slot = bucket * WAYS + way
-    cap = t.pages.size
-    target = jnp.where(placed, slot, cap)  # cap is out of range: dropped
+    # (bucket, way) indices, not flat ones: a reshape around the scatter made XLA copy the
+    # keys (9 MB at V4-Flash B = 256) when the caller's second pass sits in a cond.
+    target = jnp.where(placed, bucket, t.pages.shape[0])  # out of range: dropped
     new = _Tables(
-        keys=t.keys.reshape(cap, KEY_WORDS).at[target].set(k, mode="drop").reshape(t.keys.shape),
-        pages=t.pages.reshape(cap).at[target].set(pages, mode="drop").reshape(t.pages.shape),
+        keys=t.keys.at[target, way].set(k, mode="drop"),
+        pages=t.pages.at[target, way].set(pages, mode="drop"),
         slot_of_page=t.slot_of_page.at[jnp.where(placed, addr, t.slot_of_page.shape[0])].set(
             slot, mode="drop"
         ),
