@@ -9,11 +9,11 @@ import numpy as np
 
 from flatkv_jax.block_pool import (
     Allocation,
-    allocate,
     decref,
     decref_left,
     evictable_pages,
-    fit,
+    fit_sums,
+    pop_fitted,
 )
 from flatkv_jax.coordinator.layout import ceil_div_groups, per_group, state_layout
 from flatkv_jax.coordinator.rows import ceil_div, replace, set_cols, set_rows
@@ -60,7 +60,8 @@ def grow(
     if state.prefix:
         cached = state.lru.count
         pc = jnp.zeros((n_g,), _I32) if pinned_cached is None else pinned_cached
-        served, short_group, short_pages, total = fit(needs, want, evictable_pages(top, cached, pc))
+        supply = evictable_pages(top, cached, pc)
+        served, short_group, short_pages, total, incl = fit_sums(needs, want, supply)
         short = jnp.maximum(total - top, 0)
         # Eviction is rare (only when a free stack runs dry): skip its loops otherwise.
         state = jax.lax.cond(
@@ -70,9 +71,10 @@ def grow(
             state,
         )
     else:
-        served, short_group, short_pages, _ = fit(needs, want, top)
-    pools, got = allocate(state.allocator, layout, needs, served, k)
-    got = Allocation(served, short_group, short_pages, got.pages)
+        served, short_group, short_pages, total, incl = fit_sums(needs, want, top)
+    # Fitted once: the served rows' pages are on the free stacks now (after any eviction).
+    pools, pages = pop_fitted(state.allocator, layout, needs, served, incl, total, k)
+    got = Allocation(served, short_group, short_pages, pages)
     take = got.pages >= 0  # [B, G, K]
     j = jnp.arange(k, dtype=_I32)[None, None, :]
     row_base = (

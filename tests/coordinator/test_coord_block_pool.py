@@ -45,6 +45,37 @@ def test_acquire_serves_a_prefix_and_changes_nothing_for_the_rest():
     assert np.asarray(new.pool(LAYOUT, 1)[2]).tolist() == [0, 1, 0, 0, 0, 0, 0]
 
 
+def test_pop_fitted_after_a_larger_supply_and_refill_equals_allocate():
+    """grow's path: fit against free + evictable pages, push the evicted ones onto the
+    stacks, then pop the fitted rows without fitting again. The same pages and stacks as
+    one allocate of the served rows on the refilled stacks, for random needs and masks."""
+    rng = np.random.default_rng(7)
+    pop_j = jax.jit(block_pool.pop_fitted, static_argnums=(1, 6))
+    for trial in range(20):
+        pools = create_block_pool_set(LAYOUT)
+        # Pages held once each (the "cached-only" pages an eviction would free).
+        held = jnp.asarray(rng.integers(0, 4, size=(1, 2)), jnp.int32)
+        pools, got = allocate_j(pools, LAYOUT, held, jnp.asarray([True]), 4)
+        evictable = jnp.sum(got.pages[0] >= 0, axis=1, dtype=jnp.int32)
+        needs = jnp.asarray(rng.integers(0, 3, size=(5, 2)), jnp.int32)
+        want = jnp.asarray(rng.random(5) < 0.8)
+        supply = pools.top + evictable
+        served, sg, sp, total, incl = block_pool.fit_sums(needs, want, supply)
+        for a, b in zip((served, sg, sp, total), block_pool.fit(needs, want, supply), strict=True):
+            assert np.array_equal(np.asarray(a), np.asarray(b)), trial
+        masked = np.where(np.asarray(want)[:, None], np.asarray(needs), 0)
+        assert np.array_equal(np.asarray(incl), np.cumsum(masked, axis=0)), trial
+        # The eviction: every held page back onto its stack (the stacks now hold `supply`).
+        group = jnp.broadcast_to(jnp.arange(2, dtype=jnp.int32)[:, None], (2, 4)).reshape(-1)
+        pools, _ = decref_j(pools, LAYOUT, group, got.pages[0].reshape(-1))
+        assert np.array_equal(np.asarray(pools.top), np.asarray(supply)), trial
+        a_pools, a_pages = pop_j(pools, LAYOUT, needs, served, incl, total, 3)
+        b_pools, b_got = allocate_j(pools, LAYOUT, needs, served, 3)
+        assert np.array_equal(np.asarray(a_pages), np.asarray(b_got.pages)), trial
+        for x, y in zip(jax.tree.leaves(a_pools), jax.tree.leaves(b_pools), strict=True):
+            assert np.array_equal(np.asarray(x), np.asarray(y)), trial
+
+
 def test_decref_pushes_a_shared_page_once_onto_its_own_stack():
     pools = create_block_pool_set(LAYOUT)
     pools, _ = allocate_j(pools, LAYOUT, jnp.asarray([[3, 2]], jnp.int32), jnp.asarray([True]), 3)
