@@ -136,12 +136,24 @@ def capture(run, shapes, per_shape: int, every: int = 37):
 
 def op_names(hlo: str) -> dict[str, str]:
     """Instruction name -> its ``op_name`` metadata (the named scopes it was traced in)."""
-    out = {}
+    out, operands = {}, {}
     for line in hlo.split("\n"):
-        m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = ", line)
+        m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = [^(]*\(([^)]*)\)", line)
         if m:
             on = re.search(r'op_name="([^"]*)"', line)
-            out[m.group(1)] = on.group(1) if on else ""
+            out[m[1]] = on[1] if on else ""
+            operands[m[1]] = re.findall(r"%([\w.\-]+)", m[2])
+    # Instructions XLA made up (a cumsum's reduce-window stages, copies) carry no metadata:
+    # they take the scope of an operand, else of a user.
+    users: dict = collections.defaultdict(list)
+    for name, ops_ in operands.items():
+        for o in ops_:
+            users[o].append(name)
+    for _ in range(4):
+        for name in out:
+            if not out[name]:
+                near = [out.get(o, "") for o in operands[name]] + [out[u] for u in users[name]]
+                out[name] = next((x for x in near if x), "")
     return out
 
 
