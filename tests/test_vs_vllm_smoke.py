@@ -132,3 +132,24 @@ def test_ab_compiled_compares_whole_states_and_names_its_inputs():
     args.versions = ["old=/nonexistent.pkl"]
     with pytest.raises(SystemExit, match=r"/nonexistent.pkl is not a file; make it with `dump`"):
         ab.run_ab(args)
+
+
+def test_profile_steps_reads_shapes_scopes_and_copies_from_the_hlo():
+    """benchmarks/profile_steps.py's host helpers: the shape argument, the scope of each
+    instruction (made-up ones take an operand's), and the big copies it lists."""
+    ps = _load("profile_steps")
+    assert ps.parse_shape("decode") == ("decode",)
+    assert ps.parse_shape("admit-2-4096") == ("admit", 2, 4096)
+    with pytest.raises(SystemExit, match=r"'admit-2': write decode or admit-ROWS-WIDTH"):
+        ps.parse_shape("admit-2")
+    hlo = """
+  %a.1 = s32[8]{0} fusion(%p.0), kind=kLoop, metadata={op_name="jit(f)/S_grow/add"}
+  %wrapped_reduce-window.3 = s32[8]{0} fusion(%a.1), kind=kLoop, calls=%c.2
+  %copy.9 = u32[335872,7]{1,0} copy(%wrapped_reduce-window.3)
+  %copy.10 = s32[16]{0} copy(%a.1)
+"""
+    names = ps.op_names(hlo)
+    assert names["a.1"] == "jit(f)/S_grow/add"
+    assert names["wrapped_reduce-window.3"] == "jit(f)/S_grow/add"
+    assert names["copy.9"] == "jit(f)/S_grow/add"
+    assert list(ps.big_copies(hlo)) == ["copy.9"]
