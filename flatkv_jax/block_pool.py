@@ -268,7 +268,12 @@ def incref(
 
 
 def decref(
-    allocator: BlockPoolSet, layout: PoolLayout, group: jax.Array, pages: jax.Array
+    allocator: BlockPoolSet,
+    layout: PoolLayout,
+    group: jax.Array,
+    pages: jax.Array,
+    *,
+    distinct: bool = False,
 ) -> tuple[BlockPoolSet, jax.Array]:
     """Drops one reference per listed page and pushes pages that reach 0 onto their free stack.
 
@@ -287,11 +292,13 @@ def decref(
       layout: its static layout.
       group: ``int32[T]``, the pool of each listing.
       pages: ``int32[T]``, page ids within that pool; ids < 1 skip.
+      distinct: static; the caller promises no page is listed twice (an eviction's pages):
+        no check for repeats, no sort path.
 
     Returns:
       The new allocator and ``int32[G]``, pages freed per pool.
     """
-    allocator, freed, _, _ = decref_left(allocator, layout, group, pages)
+    allocator, freed, _, _ = decref_left(allocator, layout, group, pages, distinct=distinct)
     return allocator, freed
 
 
@@ -301,6 +308,8 @@ def decref_left(
     group: jax.Array,
     pages: jax.Array,
     held: jax.Array | None = None,
+    *,
+    distinct: bool = False,
 ) -> tuple[BlockPoolSet, jax.Array, jax.Array, jax.Array]:
     """:func:`decref`, also returning ``int32[T]``: each listed page's references left after
     the call (-1 for skipped listings) — a page left with only the prefix index's reference
@@ -315,6 +324,8 @@ def decref_left(
         :data:`SUSPECTS` suspects are compared pairwise, and the listing is sorted only when
         two of them name one page or there are more (without ``held``, every page with two
         references is a suspect).
+      distinct: static; the caller promises no page is listed twice: the check and the
+        sorted path are left out (``repeated`` is False).
 
     Returns:
       ``(allocator, freed, left, repeated)``: ``repeated`` is a ``bool[]``, False when no page
@@ -324,16 +335,23 @@ def decref_left(
     flat = flat_ids(layout, group, pages).reshape(-1)
     group = group.reshape(-1)
     old = allocator.refcount[jnp.clip(flat, 0, layout.total_pages - 1)]
-    others = 1 if held is None else 1 + held.reshape(-1).astype(_I32)
-    shared = _listed_twice(flat, (flat >= 0) & (old > others))
-    # The cond only plans (listing-sized outputs); the refcounts and the stacks are written
-    # once, after it: a cond whose two branches both write a buffer makes XLA copy the buffer
-    # (every refcount and stack of every pool, on every call).
-    target, new, push_flat, push_group, win, left = jax.lax.cond(
-        shared,
-        lambda: _plan_sorted(allocator, layout, flat, group),
-        lambda: _plan_unique(layout, flat, group, old),
-    )
+    if distinct:
+        # An eviction's pages (each popped once from its LRU): no repeat check, no cond (~10
+        # thunks fewer per evicting step).
+        shared = jnp.zeros((), jnp.bool_)
+        planned = _plan_unique(layout, flat, group, old)
+    else:
+        others = 1 if held is None else 1 + held.reshape(-1).astype(_I32)
+        shared = _listed_twice(flat, (flat >= 0) & (old > others))
+        # The cond only plans (listing-sized outputs); the refcounts and the stacks are
+        # written once, after it: a cond whose two branches both write a buffer makes XLA
+        # copy the buffer (every refcount and stack of every pool, on every call).
+        planned = jax.lax.cond(
+            shared,
+            lambda: _plan_sorted(allocator, layout, flat, group),
+            lambda: _plan_unique(layout, flat, group, old),
+        )
+    target, new, push_flat, push_group, win, left = planned
     rc = allocator.refcount.at[target].set(new, mode="drop")
     allocator, freed = _push(allocator, layout, rc, push_flat, push_group, win)
     return allocator, freed, left, shared

@@ -112,7 +112,7 @@ def evict(
     group = jnp.asarray(np.repeat(np.arange(n_g, dtype=np.int32), bounds))
     # Every pool's evicted pages leave the index in one removal (each popped once: distinct).
     index, _ = index_lib.remove_in(state.index, group, pages, pages >= 0, distinct=True)
-    pools, _ = decref(state.allocator, pool_layout(plan), group, pages)
+    pools, _ = decref(state.allocator, pool_layout(plan), group, pages, distinct=True)
     return replace(state, allocator=pools, lru=lru, index=index)
 
 

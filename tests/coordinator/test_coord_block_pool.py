@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,6 +74,32 @@ def test_pop_fitted_after_a_larger_supply_and_refill_equals_allocate():
         a_pools, a_pages = pop_j(pools, LAYOUT, needs, served, incl, total, 3)
         b_pools, b_got = allocate_j(pools, LAYOUT, needs, served, 3)
         assert np.array_equal(np.asarray(a_pages), np.asarray(b_got.pages)), trial
+        for x, y in zip(jax.tree.leaves(a_pools), jax.tree.leaves(b_pools), strict=True):
+            assert np.array_equal(np.asarray(x), np.asarray(y)), trial
+
+
+def test_decref_of_distinct_pages_equals_the_checked_decref():
+    """``distinct=True`` (an eviction's pages) skips the repeat check: the same refcounts,
+    stacks and freed counts as the checked path for listings without repeats, pages with one
+    reference or more, some listings skipped."""
+    rng = np.random.default_rng(11)
+    fast = jax.jit(functools.partial(decref, distinct=True), static_argnums=1)
+    for trial in range(20):
+        pools = create_block_pool_set(LAYOUT)
+        pools, got = allocate_j(
+            pools, LAYOUT, jnp.asarray([[4, 5]], jnp.int32), jnp.asarray([True]), 5
+        )
+        pages = np.asarray(got.pages[0])  # [2, 5], every usable page of both pools
+        extra = np.where(rng.random(pages.shape) < 0.3, pages, -1)
+        group = np.broadcast_to(np.arange(2, dtype=np.int32)[:, None], pages.shape)
+        pools = incref_j(
+            pools, LAYOUT, jnp.asarray(group.reshape(-1)), jnp.asarray(extra.reshape(-1))
+        )
+        listed = np.where(rng.random(pages.shape) < 0.6, pages, -1)  # each page at most once
+        g, p_ = jnp.asarray(group.reshape(-1)), jnp.asarray(listed.reshape(-1))
+        a_pools, a_freed = fast(pools, LAYOUT, g, p_)
+        b_pools, b_freed = decref_j(pools, LAYOUT, g, p_)
+        assert np.array_equal(np.asarray(a_freed), np.asarray(b_freed)), trial
         for x, y in zip(jax.tree.leaves(a_pools), jax.tree.leaves(b_pools), strict=True):
             assert np.array_equal(np.asarray(x), np.asarray(y)), trial
 
