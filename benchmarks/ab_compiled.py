@@ -118,6 +118,28 @@ def _copy(tree):
     return jax.tree.map(lambda x: x.copy(), tree)
 
 
+def _stacks_below_top(tree, plan):
+    """``tree`` with every allocator's free-stack slots above its pools' tops set to -1: those
+    slots are stale (what was popped last), and two versions may leave different stale
+    values there with the same meaning."""
+    from flatkv_jax.block_pool import BlockPoolSet
+    from flatkv_jax.coordinator.state import pool_layout
+
+    layout = pool_layout(plan)
+    pool = np.repeat(
+        np.arange(layout.num_pools), np.diff((*layout.stack_offset, layout.total_usable))
+    )
+    slot = np.arange(layout.total_usable) - np.asarray(layout.stack_offset)[pool]
+
+    def canon(x):
+        if not isinstance(x, BlockPoolSet):
+            return x
+        live = slot < np.asarray(x.top)[pool]
+        return BlockPoolSet(np.where(live, np.asarray(x.free_ids), -1), x.top, x.refcount)
+
+    return jax.tree.map(canon, tree, is_leaf=lambda x: isinstance(x, BlockPoolSet))
+
+
 def _same(a, b) -> bool:
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     return len(la) == len(lb) and all(
@@ -162,7 +184,10 @@ def run_ab(args) -> None:
         if shape not in SHAPES or key not in run.seen:
             return orig(key, fn, *a)
         if shape not in checked:
-            outs = [exe[name, shape](_copy(run.state), *a) for name, _ in versions]
+            outs = [
+                _stacks_below_top(exe[name, shape](_copy(run.state), *a), run.plan)
+                for name, _ in versions
+            ]
             for (name, _), o in zip(versions[1:], outs[1:], strict=True):
                 if not _same(o, outs[0]):
                     raise SystemExit(

@@ -217,6 +217,24 @@ def allocate(
     return allocator, Allocation(served, short_group, short_pages, pages)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Evicted:
+    """Pages evicted from the prefix index for an allocation (:func:`pop_fitted`), each still
+    holding the index's one reference.
+
+    Attributes:
+      pages: ``int32[E]``, pool ``g``'s evicted pages in the ``E_g`` entries from
+        ``offset[g]``, in eviction (LRU) order, padded with -1.
+      count: ``int32[G]``, pages evicted per pool (a prefix of each pool's entries).
+      offset: static, per pool, where its entries start in ``pages``.
+    """
+
+    pages: jax.Array
+    count: jax.Array
+    offset: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+
 def pop_fitted(
     allocator: BlockPoolSet,
     layout: PoolLayout,
@@ -225,10 +243,20 @@ def pop_fitted(
     incl: jax.Array,
     total: jax.Array,
     k: int,
+    evicted: Evicted | None = None,
 ) -> tuple[BlockPoolSet, jax.Array]:
     """Pops the pages of the rows a :func:`fit_sums` served, whose supply the free stacks now
     hold (:func:`allocate` without its fit: a caller that fitted against a larger supply and
     evicted the difference does not fit again).
+
+    With ``evicted`` (pages just evicted from the prefix index, each still holding the one
+    reference the index had) the supply is the stacks plus those pages, handed out first and
+    in the order a push of them onto the stacks followed by the pops would give (the result
+    equals :func:`decref` of the evicted pages and then this without ``evicted``, up to the
+    stale stack slots above the new top): the allocation takes the index's reference over,
+    so no refcount drops to 0 and nothing is pushed. Every evicted page must be taken
+    (``evicted.count <= total``, as when the stacks' shortfall is what was evicted): one left
+    over would keep a reference nothing holds.
 
     Args:
       allocator: the allocator (donated by the caller's jit); its stacks hold ``total``.
@@ -236,6 +264,7 @@ def pop_fitted(
       needs: ``int32[B, G]``, as passed to :func:`fit_sums`.
       served, incl, total: :func:`fit_sums`'s served rows, running sums and totals.
       k: static bound on ``needs``.
+      evicted: optional :class:`Evicted` pages, taken before the stacks.
 
     Returns:
       The new allocator and ``int32[B, G, K]`` pages (:attr:`Allocation.pages`).
@@ -246,14 +275,31 @@ def pop_fitted(
     excl = incl - need
     j = jnp.arange(k, dtype=_I32)[None, None, :]
     take = j < need[:, :, None]  # [B, G, K]
+    depth = excl[:, :, None] + j  # pages popped before this one, per pool
     stack_off = jnp.asarray(layout.stack_offset, _I32)[None, :, None]
-    pos = stack_off + allocator.top[None, :, None] - 1 - excl[:, :, None] - j
-    pages = jnp.where(take, allocator.free_ids[jnp.clip(pos, 0, layout.total_usable - 1)], -1)
+    top = allocator.top[None, :, None]
+    if evicted is None:
+        pages = allocator.free_ids[
+            jnp.clip(stack_off + top - 1 - depth, 0, layout.total_usable - 1)
+        ]
+        new_top = allocator.top - total
+    else:
+        # As if pushed (in listing order) and popped: the last evicted page comes off first.
+        n_ev = evicted.count[None, :, None]
+        ev_off = jnp.asarray(evicted.offset, _I32)[None, :, None]
+        from_ev = depth < n_ev
+        n_pages = evicted.pages.shape[0]
+        ev_page = evicted.pages[jnp.clip(ev_off + n_ev - 1 - depth, 0, max(n_pages - 1, 0))]
+        pos = stack_off + top - 1 - (depth - n_ev)
+        st_page = allocator.free_ids[jnp.clip(pos, 0, layout.total_usable - 1)]
+        pages = jnp.where(from_ev, ev_page, st_page)
+        new_top = allocator.top + evicted.count - total
+    pages = jnp.where(take, pages, -1)
     page_off = jnp.asarray(layout.page_offset, _I32)[None, :, None]
     flat = jnp.where(take, page_off + pages, layout.total_pages)
+    # An evicted page already holds one reference (the index's, taken over): 1 either way.
     refcount = allocator.refcount.at[flat].set(1, mode="drop")
-    top = allocator.top - total
-    return BlockPoolSet(allocator.free_ids, top, refcount), pages
+    return BlockPoolSet(allocator.free_ids, new_top, refcount), pages
 
 
 def incref(

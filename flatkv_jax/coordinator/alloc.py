@@ -9,6 +9,7 @@ import numpy as np
 
 from flatkv_jax.block_pool import (
     Allocation,
+    Evicted,
     decref,
     decref_left,
     evictable_pages,
@@ -63,17 +64,22 @@ def grow(
         supply = evictable_pages(top, cached, pc)
         served, short_group, short_pages, total, incl = fit_sums(needs, want, supply)
         short = jnp.maximum(total - top, 0)
-        # Eviction is rare (only when a free stack runs dry): skip its loops otherwise.
-        state = jax.lax.cond(
+        bounds = evict_bounds(plan, needs.shape[0], k)
+        none = (jnp.full((sum(bounds),), -1, _I32), jnp.zeros((n_g,), _I32))
+        # Eviction only when a free stack runs dry (skip its loops otherwise). The evicted
+        # pages go to the served rows with the index's reference: no decref, no push.
+        state, (ev_pages, ev_count) = jax.lax.cond(
             jnp.any(short > 0),
-            lambda st: evict(plan, st, short, evict_bounds(plan, needs.shape[0], k)),
-            lambda st: st,
+            lambda st: evict_pages(plan, st, short, bounds),
+            lambda st: (st, none),
             state,
         )
+        evicted = Evicted(ev_pages, ev_count, tuple(int(x) for x in np.cumsum((0, *bounds[:-1]))))
     else:
         served, short_group, short_pages, total, incl = fit_sums(needs, want, top)
-    # Fitted once: the served rows' pages are on the free stacks now (after any eviction).
-    pools, pages = pop_fitted(state.allocator, layout, needs, served, incl, total, k)
+        evicted = None
+    # Fitted once: the served rows' pages are the free stacks' and the evicted ones.
+    pools, pages = pop_fitted(state.allocator, layout, needs, served, incl, total, k, evicted)
     got = Allocation(served, short_group, short_pages, pages)
     take = got.pages >= 0  # [B, G, K]
     j = jnp.arange(k, dtype=_I32)[None, None, :]
@@ -98,22 +104,38 @@ def evict_bounds(plan: CachePlan, b: int, k: int) -> tuple[int, ...]:
     return tuple(b * min(k, -(-k * min(spans) // bt)) for bt in spans)
 
 
+def evict_pages(
+    plan: CachePlan, state: CacheState, n: jax.Array, max_pages: tuple[int, ...]
+) -> tuple[CacheState, tuple[jax.Array, jax.Array]]:
+    """Evicts ``n[g]`` LRU cached-only (unpinned) pages of every pool from the LRU and the
+    index, **keeping** the index's reference on each: the caller hands them out (their one
+    reference becomes a table's; :class:`~flatkv_jax.block_pool.Evicted`) or drops it.
+
+    Returns:
+      The state and ``(pages int32[sum(max_pages)], count int32[G])``: pool ``g``'s evicted
+      pages in LRU order in its ``max_pages[g]`` entries (pools in order), padded with -1.
+    """
+    # Every pool in one loop (seven per-pool loops cost ~70 thunks per evicting step).
+    lru, pages, count = lru_lib.evict_all(state.lru, n, max_pages=max_pages, pinned=state.pinned)
+    group = jnp.asarray(np.repeat(np.arange(len(plan.groups), dtype=np.int32), max_pages))
+    # Every pool's evicted pages leave the index in one removal (each popped once: distinct).
+    index, _ = index_lib.remove_in(state.index, group, pages, pages >= 0, distinct=True)
+    return replace(state, lru=lru, index=index), (pages, count)
+
+
 def evict(
     plan: CachePlan, state: CacheState, n: jax.Array, max_pages: int | tuple[int, ...]
 ) -> CacheState:
     """Evicts ``n[g]`` LRU cached-only (unpinned) pages of every pool: they leave the index,
-    lose its reference and go onto the free stack (the caller pops them right away).
-    ``max_pages`` (static) bounds ``n[g]``: one int for every pool, or one per pool; the
-    removal and the decref walk their sum."""
+    lose its reference and go onto the free stack. ``max_pages`` (static) bounds ``n[g]``:
+    one int for every pool, or one per pool; the removal and the decref walk their sum.
+    (An allocation uses :func:`evict_pages` and takes the pages over instead.)"""
     n_g = len(plan.groups)
     bounds = (max_pages,) * n_g if isinstance(max_pages, int) else tuple(max_pages)
-    # Every pool in one loop (seven per-pool loops cost ~70 thunks per evicting step).
-    lru, pages, _ = lru_lib.evict_all(state.lru, n, max_pages=bounds, pinned=state.pinned)
+    state, (pages, _) = evict_pages(plan, state, n, bounds)
     group = jnp.asarray(np.repeat(np.arange(n_g, dtype=np.int32), bounds))
-    # Every pool's evicted pages leave the index in one removal (each popped once: distinct).
-    index, _ = index_lib.remove_in(state.index, group, pages, pages >= 0, distinct=True)
     pools, _ = decref(state.allocator, pool_layout(plan), group, pages, distinct=True)
-    return replace(state, allocator=pools, lru=lru, index=index)
+    return replace(state, allocator=pools)
 
 
 def zero_lists(got: Allocation) -> jax.Array:

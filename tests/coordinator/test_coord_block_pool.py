@@ -78,6 +78,43 @@ def test_pop_fitted_after_a_larger_supply_and_refill_equals_allocate():
             assert np.array_equal(np.asarray(x), np.asarray(y)), trial
 
 
+def test_pop_fitted_takes_evicted_pages_over_as_a_decref_and_pop_would():
+    """grow's eviction hands the evicted pages to the served rows with the index's reference
+    (``Evicted``): the same pages, row by row, the same tops, refcounts and free stacks (below
+    the tops) as a decref of them onto the stacks followed by the pops, for random evicted
+    prefixes of each pool's cached pages, needs and masks."""
+    rng = np.random.default_rng(13)
+    pop_j = jax.jit(block_pool.pop_fitted, static_argnums=(1, 6))
+    for trial in range(25):
+        pools = create_block_pool_set(LAYOUT)
+        held = jnp.asarray(rng.integers(0, 5, size=(1, 2)), jnp.int32)
+        pools, got = allocate_j(pools, LAYOUT, held, jnp.asarray([True]), 5)
+        listing = np.asarray(got.pages[0])  # [2, 5]: each pool's held pages, then -1
+        needs = jnp.asarray(rng.integers(0, 3, size=(5, 2)), jnp.int32)
+        want = jnp.asarray(rng.random(5) < 0.8)
+        # As grow: fit against free + cached, evict what the stacks lack.
+        supply = pools.top + jnp.sum(got.pages[0] >= 0, axis=1, dtype=jnp.int32)
+        served, _, _, total, incl = block_pool.fit_sums(needs, want, supply)
+        n_ev = np.maximum(np.asarray(total) - np.asarray(pools.top), 0).astype(np.int32)
+        evicted = np.where(np.arange(5)[None, :] < n_ev[:, None], listing, -1)
+        ev = block_pool.Evicted(jnp.asarray(evicted.reshape(-1)), jnp.asarray(n_ev), (0, 5))
+        a_pools, a_pages = pop_j(pools, LAYOUT, needs, served, incl, total, 3, ev)
+        group = jnp.asarray(np.repeat(np.arange(2, dtype=np.int32), 5))
+        pushed, _ = decref_j(pools, LAYOUT, group, jnp.asarray(evicted.reshape(-1)))
+        b_pools, b_pages = pop_j(pushed, LAYOUT, needs, served, incl, total, 3)
+        assert np.array_equal(np.asarray(a_pages), np.asarray(b_pages)), trial
+        assert np.array_equal(np.asarray(a_pools.top), np.asarray(b_pools.top)), trial
+        assert np.array_equal(np.asarray(a_pools.refcount), np.asarray(b_pools.refcount)), trial
+        for g in range(2):
+            assert _free(a_pools, LAYOUT, g) == _free(b_pools, LAYOUT, g), trial
+        # Every evicted page was handed out once and holds one reference (the table's).
+        taken = np.asarray(a_pages)
+        for g in range(2):
+            for page in evicted[g][: n_ev[g]]:
+                assert (taken[:, g] == page).sum() == 1, trial
+                assert int(a_pools.refcount[LAYOUT.page_offset[g] + page]) == 1, trial
+
+
 def test_decref_of_distinct_pages_equals_the_checked_decref():
     """``distinct=True`` (an eviction's pages) skips the repeat check: the same refcounts,
     stacks and freed counts as the checked path for listings without repeats, pages with one
