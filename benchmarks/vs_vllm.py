@@ -76,6 +76,7 @@ import numpy as np
 from _platform import add_platform_argument, use_platform
 
 from flatkv_jax import ServingLimits, plan_with_pages
+from flatkv_jax.compile_options import COORDINATOR_COMPILER_OPTIONS
 from flatkv_jax.coordinator import (
     AdmitBatch,
     ExtendBatch,
@@ -335,9 +336,13 @@ class Run:
         def release(state, relb):
             return ops.release_fn(plan, state, relb)
 
-        self.decode = jax.jit(decode, donate_argnums=0)
-        self.admit = jax.jit(admit, donate_argnums=0)
-        self.release = jax.jit(release, donate_argnums=0)
+        # The library's options for coordinator programs (flatkv_jax.compile_options), as a
+        # serving step made of coordinator ops would pass them; --xla-task-split leaves
+        # XLA's defaults (its CPU split of "costly" fusions across threads) for comparison.
+        copts = {} if getattr(args, "xla_task_split", False) else COORDINATOR_COMPILER_OPTIONS
+        self.decode = jax.jit(decode, donate_argnums=0, compiler_options=copts)
+        self.admit = jax.jit(admit, donate_argnums=0, compiler_options=copts)
+        self.release = jax.jit(release, donate_argnums=0, compiler_options=copts)
         self.seen: set = set()
         self.compile_s: dict = {}  # shape -> seconds of its first (compiling) call
         self.oracle = OracleShadow(plan, batch) if args.oracle else None
@@ -541,6 +546,13 @@ def main():
         "pool counts must agree; prints both hit rates",
     )
     ap.add_argument(
+        "--xla-task-split",
+        action="store_true",
+        help="compile the steps with XLA's default options, not the library's "
+        "COORDINATOR_COMPILER_OPTIONS (XLA:CPU then splits costly-looking fusions across "
+        "threads: ~x1.1 per step on the 2-vCPU machine)",
+    )
+    ap.add_argument(
         "--compile-cache",
         default=str(pathlib.Path.home() / ".cache" / "flatkv_jax" / "vs_vllm_xla"),
         help="XLA persistent compilation cache directory ('' : none)",
@@ -599,7 +611,8 @@ def main():
         agg.update(batch=batch, requests=n)
         results.append(agg)
         print(
-            f"compile B={batch}: {agg['shapes']} shapes, {agg['compile_s']:.0f}s in first calls",
+            f"compile B={batch}: {agg['shapes']} shapes, {agg['compile_s']:.0f}s in first calls "
+            f"({'XLA defaults' if args.xla_task_split else 'COORDINATOR_COMPILER_OPTIONS'})",
             flush=True,
         )
         if args.oracle:

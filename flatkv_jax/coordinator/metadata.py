@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flatkv_jax.compile_options import COORDINATOR_COMPILER_OPTIONS
 from flatkv_jax.coordinator.checks import check_state_for_plan, check_step_results
 from flatkv_jax.coordinator.layout import (
     div_groups,
@@ -222,4 +223,8 @@ def step_metadata_fn(
 
 
 #: ``step_metadata_fn`` jitted (plan and ``max_count`` static; the state is only read).
-step_metadata = jax.jit(step_metadata_fn, static_argnames=("plan", "max_count"))
+step_metadata = jax.jit(
+    step_metadata_fn,
+    static_argnames=("plan", "max_count"),
+    compiler_options=COORDINATOR_COMPILER_OPTIONS,
+)

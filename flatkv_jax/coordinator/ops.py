@@ -37,6 +37,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from flatkv_jax.compile_options import COORDINATOR_COMPILER_OPTIONS
 from flatkv_jax.coordinator.alloc import free_now, grow, reclaim_chunk, sweep, zero_lists
 from flatkv_jax.coordinator.batches import (
     AdmitBatch,
@@ -647,15 +648,27 @@ def release_fn(
     return state, StatusResult(status)
 
 
-#: ``admit_fn`` jitted (plan and ``max_count`` static, state donated).
-admit = jax.jit(admit_fn, static_argnames=("plan", "max_count"), donate_argnames=("state",))
+def _jit(fn, static: tuple[str, ...]):
+    # Coordinator programs are hundreds of small thunks: XLA:CPU's split of "costly" fusions
+    # across threads only adds hand-offs (flatkv_jax.compile_options).
+    return jax.jit(
+        fn,
+        static_argnames=static,
+        donate_argnames=("state",),
+        compiler_options=COORDINATOR_COMPILER_OPTIONS,
+    )
+
+
+#: ``admit_fn`` jitted (plan and ``max_count`` static, state donated; compiled with
+#: :data:`~flatkv_jax.compile_options.COORDINATOR_COMPILER_OPTIONS`, as every jitted op here).
+admit = _jit(admit_fn, ("plan", "max_count"))
 #: ``extend_fn`` jitted (plan and ``max_count`` static, state donated).
-extend = jax.jit(extend_fn, static_argnames=("plan", "max_count"), donate_argnames=("state",))
+extend = _jit(extend_fn, ("plan", "max_count"))
 #: ``retire_fn`` jitted (plan and ``max_count`` static, state donated).
-retire = jax.jit(retire_fn, static_argnames=("plan", "max_count"), donate_argnames=("state",))
+retire = _jit(retire_fn, ("plan", "max_count"))
 #: ``rewind_fn`` jitted (plan static, state donated).
-rewind = jax.jit(rewind_fn, static_argnames=("plan",), donate_argnames=("state",))
+rewind = _jit(rewind_fn, ("plan",))
 #: ``reclaim_fn`` jitted (plan and ``max_count`` static, state donated).
-reclaim = jax.jit(reclaim_fn, static_argnames=("plan", "max_count"), donate_argnames=("state",))
+reclaim = _jit(reclaim_fn, ("plan", "max_count"))
 #: ``release_fn`` jitted (plan static, state donated).
-release = jax.jit(release_fn, static_argnames=("plan",), donate_argnames=("state",))
+release = _jit(release_fn, ("plan",))

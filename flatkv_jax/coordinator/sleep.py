@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flatkv_jax.compile_options import COORDINATOR_COMPILER_OPTIONS
 from flatkv_jax.coordinator.batches import ReleaseBatch, ReleaseMode
 from flatkv_jax.coordinator.state import CacheState, state_layout
 from flatkv_jax.errors import fail
@@ -254,7 +255,12 @@ def repair_fn(plan: CachePlan, state: CacheState) -> tuple[CacheState, jax.Array
 
 
 #: :func:`repair_fn` jitted (plan static, state donated).
-repair = jax.jit(repair_fn, static_argnames=("plan",), donate_argnames=("state",))
+repair = jax.jit(
+    repair_fn,
+    static_argnames=("plan",),
+    donate_argnames=("state",),
+    compiler_options=COORDINATOR_COMPILER_OPTIONS,
+)
 
 
 def _check_mode(mode: object) -> SleepMode:
