@@ -31,6 +31,15 @@ LAYOUT = PoolLayout((6, 7))  # 4 and 5 usable pages
 allocate_j = jax.jit(allocate, static_argnums=(1, 4))
 decref_j = jax.jit(decref, static_argnums=1)
 incref_j = jax.jit(incref, static_argnums=1)
+pop_fitted_j = jax.jit(block_pool.pop_fitted, static_argnums=(1, 6))
+
+
+def _holding(rng, most: int):
+    """Fresh pools with up to ``most`` pages held once each per pool (the cached-only pages
+    an eviction takes), and their allocation (pages ``[1, 2, most + 1]``, -1 padded)."""
+    held = jnp.asarray(rng.integers(0, most + 1, size=(1, 2)), jnp.int32)
+    pools = create_block_pool_set(LAYOUT)
+    return allocate_j(pools, LAYOUT, held, jnp.asarray([True]), most + 1)
 
 
 def test_acquire_serves_a_prefix_and_changes_nothing_for_the_rest():
@@ -52,12 +61,8 @@ def test_pop_fitted_after_a_larger_supply_and_refill_equals_allocate():
     stacks, then pop the fitted rows without fitting again. The same pages and stacks as
     one allocate of the served rows on the refilled stacks, for random needs and masks."""
     rng = np.random.default_rng(7)
-    pop_j = jax.jit(block_pool.pop_fitted, static_argnums=(1, 6))
     for trial in range(20):
-        pools = create_block_pool_set(LAYOUT)
-        # Pages held once each (the "cached-only" pages an eviction would free).
-        held = jnp.asarray(rng.integers(0, 4, size=(1, 2)), jnp.int32)
-        pools, got = allocate_j(pools, LAYOUT, held, jnp.asarray([True]), 4)
+        pools, got = _holding(rng, 3)
         evictable = jnp.sum(got.pages[0] >= 0, axis=1, dtype=jnp.int32)
         needs = jnp.asarray(rng.integers(0, 3, size=(5, 2)), jnp.int32)
         want = jnp.asarray(rng.random(5) < 0.8)
@@ -71,7 +76,7 @@ def test_pop_fitted_after_a_larger_supply_and_refill_equals_allocate():
         group = jnp.broadcast_to(jnp.arange(2, dtype=jnp.int32)[:, None], (2, 4)).reshape(-1)
         pools, _ = decref_j(pools, LAYOUT, group, got.pages[0].reshape(-1))
         assert np.array_equal(np.asarray(pools.top), np.asarray(supply)), trial
-        a_pools, a_pages = pop_j(pools, LAYOUT, needs, served, incl, total, 3)
+        a_pools, a_pages = pop_fitted_j(pools, LAYOUT, needs, served, incl, total, 3)
         b_pools, b_got = allocate_j(pools, LAYOUT, needs, served, 3)
         assert np.array_equal(np.asarray(a_pages), np.asarray(b_got.pages)), trial
         for x, y in zip(jax.tree.leaves(a_pools), jax.tree.leaves(b_pools), strict=True):
@@ -84,11 +89,8 @@ def test_pop_fitted_takes_evicted_pages_over_as_a_decref_and_pop_would():
     the tops) as a decref of them onto the stacks followed by the pops, for random evicted
     prefixes of each pool's cached pages, needs and masks."""
     rng = np.random.default_rng(13)
-    pop_j = jax.jit(block_pool.pop_fitted, static_argnums=(1, 6))
     for trial in range(25):
-        pools = create_block_pool_set(LAYOUT)
-        held = jnp.asarray(rng.integers(0, 5, size=(1, 2)), jnp.int32)
-        pools, got = allocate_j(pools, LAYOUT, held, jnp.asarray([True]), 5)
+        pools, got = _holding(rng, 4)
         listing = np.asarray(got.pages[0])  # [2, 5]: each pool's held pages, then -1
         needs = jnp.asarray(rng.integers(0, 3, size=(5, 2)), jnp.int32)
         want = jnp.asarray(rng.random(5) < 0.8)
@@ -98,10 +100,10 @@ def test_pop_fitted_takes_evicted_pages_over_as_a_decref_and_pop_would():
         n_ev = np.maximum(np.asarray(total) - np.asarray(pools.top), 0).astype(np.int32)
         evicted = np.where(np.arange(5)[None, :] < n_ev[:, None], listing, -1)
         ev = block_pool.Evicted(jnp.asarray(evicted.reshape(-1)), jnp.asarray(n_ev), (0, 5))
-        a_pools, a_pages = pop_j(pools, LAYOUT, needs, served, incl, total, 3, ev)
+        a_pools, a_pages = pop_fitted_j(pools, LAYOUT, needs, served, incl, total, 3, ev)
         group = jnp.asarray(np.repeat(np.arange(2, dtype=np.int32), 5))
         pushed, _ = decref_j(pools, LAYOUT, group, jnp.asarray(evicted.reshape(-1)))
-        b_pools, b_pages = pop_j(pushed, LAYOUT, needs, served, incl, total, 3)
+        b_pools, b_pages = pop_fitted_j(pushed, LAYOUT, needs, served, incl, total, 3)
         assert np.array_equal(np.asarray(a_pages), np.asarray(b_pages)), trial
         assert np.array_equal(np.asarray(a_pools.top), np.asarray(b_pools.top)), trial
         assert np.array_equal(np.asarray(a_pools.refcount), np.asarray(b_pools.refcount)), trial
