@@ -550,7 +550,7 @@ def main():
         action="store_true",
         help="compile the steps with XLA's default options, not the library's "
         "COORDINATOR_COMPILER_OPTIONS (XLA:CPU then splits costly-looking fusions across "
-        "threads: ~x1.1 per step on the 2-vCPU machine)",
+        "threads: decode ~x1.05 per step on the 2-vCPU machine)",
     )
     ap.add_argument(
         "--compile-cache",

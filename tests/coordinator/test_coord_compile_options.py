@@ -1,6 +1,6 @@
 """The jitted coordinator operations compile with COORDINATOR_COMPILER_OPTIONS: XLA:CPU does
-not split their fusions across threads (a thread hand-off for ~1 us of work; x0.89-0.91 per
-step on the vs_vllm trace, docs/benchmarks.md)."""
+not split their fusions across threads (a thread hand-off for ~1 us of work; decode x0.96 on
+the vs_vllm trace, docs/benchmarks.md)."""
 
 from __future__ import annotations
 
