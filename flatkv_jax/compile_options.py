@@ -8,9 +8,9 @@ a threshold: an I/O-bound fusion past ~512 KB of bytes accessed, or a compute-bo
 integer operations each, counts as large; each split then costs a hand-off to another thread
 and back (~5-15 us measured in a profile) for about a microsecond of work. A coordinator step
 is hundreds of such small thunks (a B = 256 decode step with prefix reuse: ~380, of which ~80
-were split), so disabling the pass makes the decode step x0.96 on the ``benchmarks/vs_vllm.py`` trace
-(admission within the noise; 2-vCPU machine, ``docs/benchmarks.md``). Other backends have no
-pass of that name and ignore the option.
+were split), so disabling the pass makes the decode step x0.96 on the
+``benchmarks/vs_vllm.py`` trace (admission within the noise; 2-vCPU machine,
+``docs/benchmarks.md``). Other backends have no pass of that name and ignore the option.
 
 Pass :data:`COORDINATOR_COMPILER_OPTIONS` as ``jax.jit(..., compiler_options=...)`` for a
 jitted step that is mostly coordinator work (the library's own jitted operations do). A step
