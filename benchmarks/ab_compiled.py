@@ -128,9 +128,7 @@ def _stacks_below_top(tree, plan):
     from flatkv_jax.coordinator.state import pool_layout
 
     layout = pool_layout(plan)
-    pool = np.repeat(
-        np.arange(layout.num_pools), np.diff((*layout.stack_offset, layout.total_usable))
-    )
+    pool = np.repeat(np.arange(layout.num_pools), layout.usable)  # each stack slot's pool
     slot = np.arange(layout.total_usable) - np.asarray(layout.stack_offset)[pool]
 
     def canon(x):
