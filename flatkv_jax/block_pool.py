@@ -153,30 +153,33 @@ def fit(
       ``(served bool[B], short_group int32[B], short_pages int32[B], total int32[G])``:
       see :class:`Allocation`; ``total`` is the pages the served rows take per pool.
     """
-    served, short_group, short_pages, total, _ = fit_sums(needs, want, avail)
+    served, short_group, short_pages, total, _ = fit_sums(needs.T, want, avail)
     return served, short_group, short_pages, total
 
 
 def fit_sums(
     needs: jax.Array, want: jax.Array, avail: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
-    """:func:`fit`, also returning its running sums ``int32[B, G]`` (each wanting row's needs
-    plus those of the wanting rows before it), which :func:`pop_fitted` takes: one cumulative
-    sum per allocation, not one per use (each costs ~10 us on XLA:CPU at ``[256, 6]``)."""
-    b = needs.shape[0]
-    needs = jnp.where(want[:, None], needs, 0)
-    incl = jnp.cumsum(needs, axis=0, dtype=_I32)  # [B, G]
-    fits_g = incl <= avail[None, :]
+    """:func:`fit` for group-major ``needs`` (``int32[G, B]``), also returning its running
+    sums ``int32[G, B]`` (each wanting row's needs plus those of the wanting rows before it),
+    which :func:`pop_fitted` takes: one cumulative sum per allocation, not one per use (each
+    costs ~10 us on XLA:CPU at ``[6, 256]``). Group-major, as the coordinator's ``hi`` and
+    zero lists are: a row-major ``[B, G]`` pass made XLA transpose the sums in each of the
+    five fusions that read them."""
+    b = needs.shape[1]
+    needs = jnp.where(want[None, :], needs, 0)
+    incl = jnp.cumsum(needs, axis=1, dtype=_I32)  # [G, B]
+    fits_g = incl <= avail[:, None]
     # incl is monotone in the row index, so "fits" is too: the rows served are a prefix of the
     # wanting rows (the FIFO rule of docs/semantics.md) without any sequential scan.
-    served = want & jnp.all(fits_g, axis=1)
+    served = want & jnp.all(fits_g, axis=0)
     failed = want & ~served
     first = jnp.argmax(failed)
-    g_short = jnp.argmax(~fits_g[first]).astype(_I32)
+    g_short = jnp.argmax(~fits_g[:, first]).astype(_I32)
     is_first = jnp.any(failed) & (jnp.arange(b, dtype=_I32) == first)
     short_group = jnp.where(is_first, g_short, -1)
-    short_pages = jnp.where(is_first, incl[first, g_short] - avail[g_short], 0)
-    total = jnp.sum(jnp.where(served[:, None], needs, 0), axis=0, dtype=_I32)
+    short_pages = jnp.where(is_first, incl[g_short, first] - avail[g_short], 0)
+    total = jnp.sum(jnp.where(served[None, :], needs, 0), axis=1, dtype=_I32)
     return served, short_group, short_pages, total, incl
 
 
@@ -211,10 +214,10 @@ def allocate(
       The new allocator and an :class:`Allocation`. Cost: O(B * G * k), independent of pool size.
     """
     served, short_group, short_pages, total, incl = fit_sums(
-        needs, want, allocator.top if avail is None else avail
+        needs.T, want, allocator.top if avail is None else avail
     )
-    allocator, pages = pop_fitted(allocator, layout, needs, served, incl, total, k)
-    return allocator, Allocation(served, short_group, short_pages, pages)
+    allocator, pages = pop_fitted(allocator, layout, needs.T, served, incl, total, k)
+    return allocator, Allocation(served, short_group, short_pages, jnp.transpose(pages, (1, 0, 2)))
 
 
 @jax.tree_util.register_dataclass
@@ -261,23 +264,24 @@ def pop_fitted(
     Args:
       allocator: the allocator (donated by the caller's jit); its stacks hold ``total``.
       layout: its static layout.
-      needs: ``int32[B, G]``, as passed to :func:`fit_sums`.
+      needs: ``int32[G, B]``, as passed to :func:`fit_sums` (group-major).
       served, incl, total: :func:`fit_sums`'s served rows, running sums and totals.
       k: static bound on ``needs``.
       evicted: optional :class:`Evicted` pages, taken before the stacks.
 
     Returns:
-      The new allocator and ``int32[B, G, K]`` pages (:attr:`Allocation.pages`).
+      The new allocator and ``int32[G, B, K]`` pages: pool ``g``'s pages of row ``r`` in
+        ``[g, r, :needs[g, r]]``, -1 elsewhere (:attr:`Allocation.pages`, group-major).
     """
-    need = jnp.where(served[:, None], needs, 0)  # [B, G]
+    need = jnp.where(served[None, :], needs, 0)  # [G, B]
     # The served rows are a prefix of the wanting rows: their running sums are the served
     # rows' own, so each row's first page sits `incl - need` below the top.
     excl = incl - need
     j = jnp.arange(k, dtype=_I32)[None, None, :]
-    take = j < need[:, :, None]  # [B, G, K]
+    take = j < need[:, :, None]  # [G, B, K]
     depth = excl[:, :, None] + j  # pages popped before this one, per pool
-    stack_off = jnp.asarray(layout.stack_offset, _I32)[None, :, None]
-    top = allocator.top[None, :, None]
+    stack_off = jnp.asarray(layout.stack_offset, _I32)[:, None, None]
+    top = allocator.top[:, None, None]
     if evicted is None:
         pages = allocator.free_ids[
             jnp.clip(stack_off + top - 1 - depth, 0, layout.total_usable - 1)
@@ -285,8 +289,8 @@ def pop_fitted(
         new_top = allocator.top - total
     else:
         # As if pushed (in listing order) and popped: the last evicted page comes off first.
-        n_ev = evicted.count[None, :, None]
-        ev_off = jnp.asarray(evicted.offset, _I32)[None, :, None]
+        n_ev = evicted.count[:, None, None]
+        ev_off = jnp.asarray(evicted.offset, _I32)[:, None, None]
         from_ev = depth < n_ev
         n_pages = evicted.pages.shape[0]
         ev_page = evicted.pages[jnp.clip(ev_off + n_ev - 1 - depth, 0, max(n_pages - 1, 0))]
@@ -295,7 +299,7 @@ def pop_fitted(
         pages = jnp.where(from_ev, ev_page, st_page)
         new_top = allocator.top + evicted.count - total
     pages = jnp.where(take, pages, -1)
-    page_off = jnp.asarray(layout.page_offset, _I32)[None, :, None]
+    page_off = jnp.asarray(layout.page_offset, _I32)[:, None, None]
     flat = jnp.where(take, page_off + pages, layout.total_pages)
     # An evicted page already holds one reference (the index's, taken over): 1 either way.
     refcount = allocator.refcount.at[flat].set(1, mode="drop")

@@ -3,12 +3,13 @@ stack runs dry), sweeping table ranges back (decref, free or cache) and freeing 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from flatkv_jax.block_pool import (
-    Allocation,
     Evicted,
     decref,
     decref_left,
@@ -28,6 +29,18 @@ from flatkv_jax.prefix import lru as lru_lib
 _I32 = jnp.int32
 
 
+class Grown(NamedTuple):
+    """What :func:`grow` did, per row: ``served`` ``bool[B]``; ``short_group`` and
+    ``short_pages`` ``int32[B]`` (:class:`~flatkv_jax.block_pool.Allocation`); ``zero``
+    ``int32[G, B * K]``, per pool row ``r``'s new pages in entries ``[r * K, (r + 1) * K)``,
+    -1 elsewhere (:attr:`~flatkv_jax.coordinator.results.StepResult.zero`)."""
+
+    served: jax.Array
+    short_group: jax.Array
+    short_pages: jax.Array
+    zero: jax.Array
+
+
 def grow(
     plan: CachePlan,
     state: CacheState,
@@ -37,26 +50,26 @@ def grow(
     k: int,
     hi: jax.Array | None = None,
     pinned_cached: jax.Array | None = None,
-) -> tuple[CacheState, jax.Array, Allocation]:
+) -> tuple[CacheState, Grown]:
     """Allocates every block ``[hi, ceil(new_end / B))`` of every group, atomically, in order.
 
     Supply per pool is free + unpinned cached-only pages; the served rows take the free stack
     first and only then evict LRU cached-only pages (pages matched by the current admission
     are pinned in ``state.pinned``). Returns the state with tables and ``hi`` updated for the
-    served rows, the served mask and the :class:`~flatkv_jax.block_pool.Allocation` (pages,
-    shortage).
+    served rows and a :class:`Grown`. Everything is group-major (``[G, B]``, ``[G, B, K]``),
+    as ``state.hi`` and the zero lists are: no transposes.
 
     Args:
-      hi: ``int32[B, G]`` first slot to allocate (default: the slot's ``hi``; admit passes
+      hi: ``int32[G, B]`` first slot to allocate (default: the slot's ``hi``; admit passes
         the hit's ``h / B``).
       pinned_cached: ``int32[G]`` cached-only pages pinned by this call (default 0).
     """
     lay = state_layout(plan)
     layout = pool_layout(plan)
     n_g = len(plan.groups)
-    hi = state.hi[:, s].T if hi is None else hi  # [B, G]
-    needs = jnp.maximum(0, ceil_div_groups(new_end[:, None], lay.block_tokens, 1) - hi)
-    needs = jnp.where(want[:, None], needs, 0)
+    hi = state.hi[:, s] if hi is None else hi  # [G, B]
+    needs = jnp.maximum(0, ceil_div_groups(new_end[None, :], lay.block_tokens, 0) - hi)
+    needs = jnp.where(want[None, :], needs, 0)
     top = state.allocator.top
     if state.prefix:
         cached = state.lru.count
@@ -64,7 +77,7 @@ def grow(
         supply = evictable_pages(top, cached, pc)
         served, short_group, short_pages, total, incl = fit_sums(needs, want, supply)
         short = jnp.maximum(total - top, 0)
-        bounds = evict_bounds(plan, needs.shape[0], k)
+        bounds = evict_bounds(plan, s.shape[0], k)
         none = (jnp.full((sum(bounds),), -1, _I32), jnp.zeros((n_g,), _I32))
         # Eviction only when a free stack runs dry (skip its loops otherwise). The evicted
         # pages go to the served rows with the index's reference: no decref, no push.
@@ -80,19 +93,16 @@ def grow(
         evicted = None
     # Fitted once: the served rows' pages are the free stacks' and the evicted ones.
     pools, pages = pop_fitted(state.allocator, layout, needs, served, incl, total, k, evicted)
-    got = Allocation(served, short_group, short_pages, pages)
-    take = got.pages >= 0  # [B, G, K]
+    take = pages >= 0  # [G, B, K]
     j = jnp.arange(k, dtype=_I32)[None, None, :]
     row_base = (
-        per_group(lay.table_offset)[None, :] + s[:, None] * per_group(lay.table_width)[None, :]
+        per_group(lay.table_offset)[:, None] + s[None, :] * per_group(lay.table_width)[:, None]
     )
     idx = (row_base + hi)[:, :, None] + j
-    tables = state.table_buffer.at[jnp.where(take, idx, table_size(plan))].set(
-        got.pages, mode="drop"
-    )
-    new_hi = hi + jnp.sum(take, axis=2, dtype=_I32)
-    hi_arr = set_cols(state.hi, s, got.served, new_hi.T)
-    return replace(state, allocator=pools, table_buffer=tables, hi=hi_arr), got.served, got
+    tables = state.table_buffer.at[jnp.where(take, idx, table_size(plan))].set(pages, mode="drop")
+    hi_arr = set_cols(state.hi, s, served, hi + jnp.sum(take, axis=2, dtype=_I32))
+    state = replace(state, allocator=pools, table_buffer=tables, hi=hi_arr)
+    return state, Grown(served, short_group, short_pages, pages.reshape(n_g, -1))
 
 
 def evict_bounds(plan: CachePlan, b: int, k: int) -> tuple[int, ...]:
@@ -136,12 +146,6 @@ def evict(
     group = jnp.asarray(np.repeat(np.arange(n_g, dtype=np.int32), bounds))
     pools, _ = decref(state.allocator, pool_layout(plan), group, pages, distinct=True)
     return replace(state, allocator=pools)
-
-
-def zero_lists(got: Allocation) -> jax.Array:
-    """``[G, B * K]``: every page handed out, per pool, padded with -1."""
-    b, g, k = got.pages.shape
-    return jnp.transpose(got.pages, (1, 0, 2)).reshape(g, b * k)
 
 
 def sweep(

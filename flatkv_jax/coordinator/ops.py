@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from flatkv_jax.compile_options import COORDINATOR_COMPILER_OPTIONS
-from flatkv_jax.coordinator.alloc import free_now, grow, reclaim_chunk, sweep, zero_lists
+from flatkv_jax.coordinator.alloc import free_now, grow, reclaim_chunk, sweep
 from flatkv_jax.coordinator.batches import (
     AdmitBatch,
     ExtendBatch,
@@ -153,18 +153,19 @@ def admit_fn(
         require_prefix(state, "AdmitBatch.tokens")
         state, hit, pinned_cached, match, listing = _match_admission(plan, state, batch, rows.asks)
     count = jnp.minimum(batch.first_chunk, batch.prompt_len - hit)
-    step_full = over_step_budget(plan, rows.want, count, same_step)
+    step_full = over_step_budget(plan, rows.want, count, same_step, mc)
     want = rows.want & ~step_full
-    state, served, part = grow(
+    state, part = grow(
         plan,
         state,
         rows.s,
         want,
         hit + count,
         pages_per_row(plan, mc),
-        hi=div_groups(hit[:, None], state_layout(plan).block_tokens, 1),
+        hi=div_groups(hit[None, :], state_layout(plan).block_tokens, 0),
         pinned_cached=pinned_cached,
     )
+    served = part.served
     if batch.tokens is None:
         state = replace(state, keyed=set_rows(state.keyed, rows.s, served, False))
     else:
@@ -189,7 +190,7 @@ def admit_fn(
         hit=jnp.where(served, hit, 0),
         short_group=part.short_group,
         short_pages=part.short_pages,
-        zero=zero_lists(part),
+        zero=part.zero,
         step_index=len(same_step),
     )
     return state, result
@@ -365,9 +366,10 @@ def extend_fn(
         valid & ~stale & ~bad & ~fifo_full & (n_old + cnt > lim.max_context + lim.verify_width)
     )
     want = valid & ~stale & ~bad & ~fifo_full & ~too_long
-    step_full = over_step_budget(plan, want, cnt, same_step)
+    step_full = over_step_budget(plan, want, cnt, same_step, mc)
     want = want & ~step_full
-    state, served, part = grow(plan, state, s, want, n_old + cnt, pages_per_row(plan, mc))
+    state, part = grow(plan, state, s, want, n_old + cnt, pages_per_row(plan, mc))
+    served = part.served
     status = pick_status(
         Status.OK,
         (~valid, Status.IDLE),
@@ -414,7 +416,7 @@ def extend_fn(
         hit=jnp.zeros_like(cnt),
         short_group=part.short_group,
         short_pages=part.short_pages,
-        zero=zero_lists(part),
+        zero=part.zero,
         step_index=len(same_step),
     )
     return state, result

@@ -60,7 +60,11 @@ def ceil_div(a: jax.Array, b: int) -> jax.Array:
 
 
 def over_step_budget(
-    plan: CachePlan, asking: jax.Array, count: jax.Array, same_step: tuple[StepResult, ...]
+    plan: CachePlan,
+    asking: jax.Array,
+    count: jax.Array,
+    same_step: tuple[StepResult, ...],
+    max_count: int,
 ) -> jax.Array:
     """Rows of ``asking`` that the step's token budget refuses (``STEP_FULL``).
 
@@ -71,7 +75,13 @@ def over_step_budget(
     later short rows of the same call). A row that fits is then still subject to the page
     check, and keeps its tokens counted even if it runs out of pages (every later row does
     then too).
+
+    ``max_count`` (static) bounds ``count`` on the rows of ``asking`` (the callers refuse
+    larger counts first): a call that opens its step and cannot pass the budget even if every
+    row asks for ``max_count`` tokens (a decode batch) refuses nothing, with no scan at all.
     """
+    if not same_step and asking.shape[0] * max_count <= plan.limits.step_tokens:
+        return jnp.zeros_like(asking)
     used = jnp.zeros((), _I32)
     for x in same_step:
         used = used + jnp.sum(jnp.where(x.status == Status.OK, x.count, 0), dtype=_I32)

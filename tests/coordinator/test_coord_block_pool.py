@@ -67,18 +67,19 @@ def test_pop_fitted_after_a_larger_supply_and_refill_equals_allocate():
         needs = jnp.asarray(rng.integers(0, 3, size=(5, 2)), jnp.int32)
         want = jnp.asarray(rng.random(5) < 0.8)
         supply = pools.top + evictable
-        served, sg, sp, total, incl = block_pool.fit_sums(needs, want, supply)
+        # fit_sums and pop_fitted are group-major ([G, B]); fit and allocate row-major.
+        served, sg, sp, total, incl = block_pool.fit_sums(needs.T, want, supply)
         for a, b in zip((served, sg, sp, total), block_pool.fit(needs, want, supply), strict=True):
             assert np.array_equal(np.asarray(a), np.asarray(b)), trial
         masked = np.where(np.asarray(want)[:, None], np.asarray(needs), 0)
-        assert np.array_equal(np.asarray(incl), np.cumsum(masked, axis=0)), trial
+        assert np.array_equal(np.asarray(incl), np.cumsum(masked, axis=0).T), trial
         # The eviction: every held page back onto its stack (the stacks now hold `supply`).
         group = jnp.broadcast_to(jnp.arange(2, dtype=jnp.int32)[:, None], (2, 4)).reshape(-1)
         pools, _ = decref_j(pools, LAYOUT, group, got.pages[0].reshape(-1))
         assert np.array_equal(np.asarray(pools.top), np.asarray(supply)), trial
-        a_pools, a_pages = pop_fitted_j(pools, LAYOUT, needs, served, incl, total, 3)
+        a_pools, a_pages = pop_fitted_j(pools, LAYOUT, needs.T, served, incl, total, 3)
         b_pools, b_got = allocate_j(pools, LAYOUT, needs, served, 3)
-        assert np.array_equal(np.asarray(a_pages), np.asarray(b_got.pages)), trial
+        assert np.array_equal(np.asarray(a_pages).transpose(1, 0, 2), b_got.pages), trial
         for x, y in zip(jax.tree.leaves(a_pools), jax.tree.leaves(b_pools), strict=True):
             assert np.array_equal(np.asarray(x), np.asarray(y)), trial
 
@@ -96,24 +97,24 @@ def test_pop_fitted_takes_evicted_pages_over_as_a_decref_and_pop_would():
         want = jnp.asarray(rng.random(5) < 0.8)
         # As grow: fit against free + cached, evict what the stacks lack.
         supply = pools.top + jnp.sum(got.pages[0] >= 0, axis=1, dtype=jnp.int32)
-        served, _, _, total, incl = block_pool.fit_sums(needs, want, supply)
+        served, _, _, total, incl = block_pool.fit_sums(needs.T, want, supply)
         n_ev = np.maximum(np.asarray(total) - np.asarray(pools.top), 0).astype(np.int32)
         evicted = np.where(np.arange(5)[None, :] < n_ev[:, None], listing, -1)
         ev = block_pool.Evicted(jnp.asarray(evicted.reshape(-1)), jnp.asarray(n_ev), (0, 5))
-        a_pools, a_pages = pop_fitted_j(pools, LAYOUT, needs, served, incl, total, 3, ev)
+        a_pools, a_pages = pop_fitted_j(pools, LAYOUT, needs.T, served, incl, total, 3, ev)
         group = jnp.asarray(np.repeat(np.arange(2, dtype=np.int32), 5))
         pushed, _ = decref_j(pools, LAYOUT, group, jnp.asarray(evicted.reshape(-1)))
-        b_pools, b_pages = pop_fitted_j(pushed, LAYOUT, needs, served, incl, total, 3)
+        b_pools, b_pages = pop_fitted_j(pushed, LAYOUT, needs.T, served, incl, total, 3)
         assert np.array_equal(np.asarray(a_pages), np.asarray(b_pages)), trial
         assert np.array_equal(np.asarray(a_pools.top), np.asarray(b_pools.top)), trial
         assert np.array_equal(np.asarray(a_pools.refcount), np.asarray(b_pools.refcount)), trial
         for g in range(2):
             assert _free(a_pools, LAYOUT, g) == _free(b_pools, LAYOUT, g), trial
         # Every evicted page was handed out once and holds one reference (the table's).
-        taken = np.asarray(a_pages)
+        taken = np.asarray(a_pages)  # [G, B, K]
         for g in range(2):
             for page in evicted[g][: n_ev[g]]:
-                assert (taken[:, g] == page).sum() == 1, trial
+                assert (taken[g] == page).sum() == 1, trial
                 assert int(a_pools.refcount[LAYOUT.page_offset[g] + page]) == 1, trial
 
 
