@@ -25,6 +25,13 @@ Run (about 3 minutes per shape on the 2-vCPU machine; no other load, or the numb
 
     python benchmarks/profile_steps.py --shapes decode,admit-1-4096,admit-2-4096
 
+The captured states are fresh copies, so every buffer starts cold in the caches. ``--live
+START:STOP`` instead profiles the decode steps ``START .. STOP - 1`` of the replay itself (the
+state donated from step to step, as ``vs_vllm.py`` runs it), keeping only the thunks that ran
+inside those steps (a trace annotation marks each)::
+
+    python benchmarks/profile_steps.py --live 150:250
+
 The scopes are added by replacing the listed functions in every ``flatkv_jax`` module that
 imported them, before anything is traced: a profiling aid only (the library itself names no
 scopes, so its programs stay free of profiler metadata).
@@ -33,6 +40,7 @@ scopes, so its programs stay free of profiler metadata).
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import contextlib
 import functools
@@ -167,9 +175,27 @@ def big_copies(hlo: str, min_elems: int = 100_000) -> dict[str, str]:
     return found
 
 
-def leaf_thunks(pb: str, names: dict[str, str]):
-    """(scope path, instruction, microseconds) of every leaf thunk event in the trace."""
+def in_windows(t: int, windows: list[tuple[int, int]]) -> bool:
+    """Whether time ``t`` lies in one of ``windows`` (sorted ``(start, end)`` pairs)."""
+    i = bisect.bisect_right(windows, (t, float("inf"))) - 1
+    return i >= 0 and windows[i][0] <= t <= windows[i][1]
+
+
+#: The trace annotation ``--live`` wraps around each profiled step.
+LIVE_MARK = "profile_steps.live_step"
+
+
+def leaf_thunks(pb: str, names: dict[str, str], live: bool = False):
+    """(scope path, instruction, microseconds) of every leaf thunk event in the trace; with
+    ``live``, only those that started inside a :data:`LIVE_MARK` annotation."""
     data = jax.profiler.ProfileData.from_file(pb)
+    windows = sorted(
+        (e.start_ns, e.start_ns + e.duration_ns)
+        for plane in data.planes
+        for line in plane.lines
+        for e in line.events
+        if e.name == LIVE_MARK
+    )
     for plane in data.planes:
         for line in plane.lines:
             # Parents before the thunks nested in them (same start: the longer first).
@@ -184,6 +210,8 @@ def leaf_thunks(pb: str, names: dict[str, str]):
             for i, (s0, e0, name) in enumerate(evs):
                 if i + 1 < len(evs) and evs[i + 1][0] < e0:
                     continue  # a thunk nested in this one started before it ended
+                if live and not in_windows(s0, windows):
+                    continue  # another step's thunk with the same name
                 path = [p[len(_PREFIX) :] for p in names[name].split("/") if p.startswith(_PREFIX)]
                 yield "/".join(path) or "(no scope)", name, (e0 - s0) / 1e3
 
@@ -222,6 +250,11 @@ def profile(run, shape, states, reps: int, top: int) -> None:
     for name, line in copies.items():
         # XLA elides a copy whose source and destination share a buffer: no thunk runs.
         print(f"   copy runs {ran[name] / n:.1f}x per call: {line}")
+    report(events, n, top)
+
+
+def report(events, n: int, top: int) -> None:
+    """Prints leaf microseconds and thunks per call by scope, by thunk kind and per thunk."""
     by_scope: collections.Counter = collections.Counter()
     n_scope: collections.Counter = collections.Counter()
     by_kind: collections.Counter = collections.Counter()
@@ -247,6 +280,47 @@ def profile(run, shape, states, reps: int, top: int) -> None:
         print(f"   {us:8.1f}  {scope}  {name}")
 
 
+def profile_live(run, start: int, stop: int, top: int) -> None:
+    """Profiles decode steps ``start .. stop - 1`` inside the replay (warm, donated state)."""
+    names: dict[str, str] = {}
+    seen = [0]
+    trace_dir = tempfile.mkdtemp()
+    orig = run._timed
+
+    def timed(key, fn, *a):
+        if key != "decode":
+            return orig(key, fn, *a)
+        seen[0] += 1
+        if seen[0] == 1:
+            names.update(op_names(fn.lower(run.state, *a).compile().as_text()))
+        if seen[0] == start:
+            opts = jax.profiler.ProfileOptions()
+            opts.host_tracer_level = 3
+            opts.python_tracer_level = 0
+            jax.profiler.start_trace(trace_dir, profiler_options=opts)
+        if seen[0] == stop:
+            jax.profiler.stop_trace()
+        if start <= seen[0] < stop:
+            with jax.profiler.TraceAnnotation(LIVE_MARK):
+                return orig(key, fn, *a)
+        return orig(key, fn, *a)
+
+    run._timed = timed
+    run.run()
+    if seen[0] < stop:
+        raise SystemExit(f"--live {start}:{stop}: the trace has {seen[0]} decode steps")
+    pb = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0]
+    print(f"== decode steps {start}..{stop - 1} of the replay (warm state)")
+    report(list(leaf_thunks(pb, names, live=True)), stop - start, top)
+
+
+def parse_live(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"(\d+):(\d+)", text)
+    if not m or not 1 <= int(m[1]) < int(m[2]):
+        raise SystemExit(f"--live {text!r}: write START:STOP with 1 <= START < STOP (150:250)")
+    return int(m[1]), int(m[2])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="decode,admit-1-4096")
@@ -255,11 +329,17 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5, help="calls per state, timed and traced")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--peer", default=None, help="path of vllm_kv_bench.py (the trace)")
+    ap.add_argument("--live", default=None, help="START:STOP decode steps of the replay itself")
     args = ap.parse_args()
     shapes = [parse_shape(s) for s in args.shapes.split(",")]
+    live = parse_live(args.live) if args.live else None
     add_scopes()
     vs = ab_compiled._import_vs_vllm()
     run = ab_compiled._make_run(vs, argparse.Namespace(peer=args.peer, batch=args.batch))
+    if live:
+        print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, batch {args.batch}")
+        profile_live(run, *live, args.top)
+        return
     caps = capture(run, shapes, args.states)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, batch {args.batch}")
     for shape in shapes:

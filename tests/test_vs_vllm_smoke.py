@@ -135,8 +135,9 @@ def test_ab_compiled_compares_whole_states_and_names_its_inputs():
 
 
 def test_profile_steps_reads_shapes_scopes_and_copies_from_the_hlo():
-    """benchmarks/profile_steps.py's host helpers: the shape argument, the scope of each
-    instruction (made-up ones take an operand's), and the big copies it lists."""
+    """benchmarks/profile_steps.py's host helpers: the shape and ``--live`` arguments, the
+    step windows ``--live`` keeps thunks from, the scope of each instruction (made-up ones
+    take an operand's), and the big copies it lists."""
     ps = _load("profile_steps")
     assert ps.parse_shape("decode") == ("decode",)
     assert ps.parse_shape("admit-2-4096") == ("admit", 2, 4096)
@@ -148,6 +149,13 @@ def test_profile_steps_reads_shapes_scopes_and_copies_from_the_hlo():
   %copy.9 = u32[335872,7]{1,0} copy(%wrapped_reduce-window.3)
   %copy.10 = s32[16]{0} copy(%a.1)
 """
+    assert ps.parse_live("150:250") == (150, 250)
+    for bad in ("250:150", "0:5", "150"):
+        with pytest.raises(SystemExit, match=r"write START:STOP with 1 <= START < STOP"):
+            ps.parse_live(bad)
+    windows = [(10, 20), (30, 40)]
+    inside = [t for t in (5, 10, 15, 20, 25, 30, 40, 41) if ps.in_windows(t, windows)]
+    assert inside == [10, 15, 20, 30, 40]
     names = ps.op_names(hlo)
     assert names["a.1"] == "jit(f)/S_grow/add"
     assert names["wrapped_reduce-window.3"] == "jit(f)/S_grow/add"
