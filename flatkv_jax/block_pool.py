@@ -271,7 +271,8 @@ def pop_fitted(
 
     Returns:
       The new allocator and ``int32[G, B, K]`` pages: pool ``g``'s pages of row ``r`` in
-        ``[g, r, :needs[g, r]]``, -1 elsewhere (:attr:`Allocation.pages`, group-major).
+        ``[g, r, :needs[g, r]]``, -1 elsewhere (:attr:`Allocation.pages` transposed: that one
+        is row-major, as :func:`allocate` returns it).
     """
     need = jnp.where(served[None, :], needs, 0)  # [G, B]
     # The served rows are a prefix of the wanting rows: their running sums are the served
