@@ -185,6 +185,14 @@ def in_windows(t: int, windows: list[tuple[int, int]]) -> bool:
 LIVE_MARK = "profile_steps.live_step"
 
 
+def start_thunk_trace(directory: str) -> None:
+    """Starts a ``jax.profiler`` trace with one event per executed thunk (host level 3)."""
+    opts = jax.profiler.ProfileOptions()
+    opts.host_tracer_level = 3
+    opts.python_tracer_level = 0
+    jax.profiler.start_trace(directory, profiler_options=opts)
+
+
 def leaf_thunks(pb: str, names: dict[str, str], live: bool = False):
     """(scope path, instruction, microseconds) of every leaf thunk event in the trace; with
     ``live``, only those that started inside a :data:`LIVE_MARK` annotation."""
@@ -236,10 +244,7 @@ def profile(run, shape, states, reps: int, top: int) -> None:
     print(f"   unprofiled: median {np.median(wall) * 1e6:.0f} us/call, min {min(wall) * 1e6:.0f}")
     traced = fresh[len(fresh) // 2 :]
     with tempfile.TemporaryDirectory() as d:
-        opts = jax.profiler.ProfileOptions()
-        opts.host_tracer_level = 3
-        opts.python_tracer_level = 0
-        jax.profiler.start_trace(d, profiler_options=opts)
+        start_thunk_trace(d)
         for st, a in traced:
             jax.block_until_ready(comp(st, *a))
         jax.profiler.stop_trace()
@@ -284,34 +289,32 @@ def profile_live(run, start: int, stop: int, top: int) -> None:
     """Profiles decode steps ``start .. stop - 1`` inside the replay (warm, donated state)."""
     names: dict[str, str] = {}
     seen = [0]
-    trace_dir = tempfile.mkdtemp()
     orig = run._timed
+    with tempfile.TemporaryDirectory() as trace_dir:
 
-    def timed(key, fn, *a):
-        if key != "decode":
-            return orig(key, fn, *a)
-        seen[0] += 1
-        if seen[0] == 1:
-            names.update(op_names(fn.lower(run.state, *a).compile().as_text()))
-        if seen[0] == start:
-            opts = jax.profiler.ProfileOptions()
-            opts.host_tracer_level = 3
-            opts.python_tracer_level = 0
-            jax.profiler.start_trace(trace_dir, profiler_options=opts)
-        if seen[0] == stop:
-            jax.profiler.stop_trace()
-        if start <= seen[0] < stop:
-            with jax.profiler.TraceAnnotation(LIVE_MARK):
+        def timed(key, fn, *a):
+            if key != "decode":
                 return orig(key, fn, *a)
-        return orig(key, fn, *a)
+            seen[0] += 1
+            if seen[0] == 1:
+                names.update(op_names(fn.lower(run.state, *a).compile().as_text()))
+            if seen[0] == start:
+                start_thunk_trace(trace_dir)
+            if seen[0] == stop:
+                jax.profiler.stop_trace()
+            if start <= seen[0] < stop:
+                with jax.profiler.TraceAnnotation(LIVE_MARK):
+                    return orig(key, fn, *a)
+            return orig(key, fn, *a)
 
-    run._timed = timed
-    run.run()
-    if seen[0] < stop:
-        raise SystemExit(f"--live {start}:{stop}: the trace has {seen[0]} decode steps")
-    pb = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0]
+        run._timed = timed
+        run.run()
+        if seen[0] < stop:
+            raise SystemExit(f"--live {start}:{stop}: the trace has {seen[0]} decode steps")
+        pb = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0]
+        events = list(leaf_thunks(pb, names, live=True))
     print(f"== decode steps {start}..{stop - 1} of the replay (warm state)")
-    report(list(leaf_thunks(pb, names, live=True)), stop - start, top)
+    report(events, stop - start, top)
 
 
 def parse_live(text: str) -> tuple[int, int]:
@@ -336,12 +339,11 @@ def main() -> None:
     add_scopes()
     vs = ab_compiled._import_vs_vllm()
     run = ab_compiled._make_run(vs, argparse.Namespace(peer=args.peer, batch=args.batch))
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, batch {args.batch}")
     if live:
-        print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, batch {args.batch}")
         profile_live(run, *live, args.top)
         return
     caps = capture(run, shapes, args.states)
-    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, batch {args.batch}")
     for shape in shapes:
         profile(run, shape, caps[shape], args.reps, args.top)
     sys.stdout.flush()
