@@ -71,11 +71,14 @@ _TRACE = dict(
     granularity=128,
     oracle=False,
     seed=0,
+    evict_ahead_tokens=0,
 )
 
 
-def _make_run(vs, args):
-    opts = argparse.Namespace(**_TRACE)
+def _make_run(vs, args, **overrides):
+    """A ``vs_vllm.Run`` on the trace and plan of ``_TRACE`` (``overrides`` replace its
+    options, e.g. ``evict_ahead_tokens``)."""
+    opts = argparse.Namespace(**{**_TRACE, **overrides})
     peer = pathlib.Path(args.peer) if args.peer else vs.DEFAULT_PEER
     if not peer.is_file():
         raise SystemExit(f"--peer {peer}: no such file; pass the path of vllm_kv_bench.py")

@@ -333,12 +333,19 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--peer", default=None, help="path of vllm_kv_bench.py (the trace)")
     ap.add_argument("--live", default=None, help="START:STOP decode steps of the replay itself")
+    ap.add_argument(
+        "--evict-ahead-tokens", type=int, default=0, help="the plan's evict_ahead_tokens"
+    )
     args = ap.parse_args()
     shapes = [parse_shape(s) for s in args.shapes.split(",")]
     live = parse_live(args.live) if args.live else None
     add_scopes()
     vs = ab_compiled._import_vs_vllm()
-    run = ab_compiled._make_run(vs, argparse.Namespace(peer=args.peer, batch=args.batch))
+    run = ab_compiled._make_run(
+        vs,
+        argparse.Namespace(peer=args.peer, batch=args.batch),
+        evict_ahead_tokens=args.evict_ahead_tokens,
+    )
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, batch {args.batch}")
     if live:
         profile_live(run, *live, args.top)

@@ -68,6 +68,8 @@ import pathlib
 import platform
 import random
 import statistics
+import subprocess
+import tempfile
 import time
 
 import jax
@@ -182,13 +184,57 @@ def oracle_plan(plan):
     page contents (one NumPy array per layer and field) stay small."""
     tiny = FieldSpec("x", RowFormat("byte", "uint8", (1,)))
     gs = tuple(dataclasses.replace(g, layers=g.layers[:1], fields=(tiny,)) for g in plan.groups)
-    out = plan_with_pages(gs, plan.limits, {g.name: plan.usable_pages(g) for g in plan.groups})
+    out = plan_with_pages(
+        gs,
+        plan.limits,
+        {g.name: plan.usable_pages(g) for g in plan.groups},
+        evict_ahead_tokens=plan.evict_ahead_tokens,
+    )
     for a, b in zip(plan.groups, out.groups, strict=True):
         if plan.pages(a) != out.pages(b) or a.block_tokens != b.block_tokens:
             raise SystemExit(f"oracle plan: group {a.name} differs ({plan.pages(a)} pages)")
     if out.prefix_granularity != plan.prefix_granularity:
         raise SystemExit("oracle plan: another prefix granularity")
     return out
+
+
+def peer_command(args, batch: int, json_path: str) -> list[str]:
+    """The peer's command line for one run on our trace and pool arguments (``--pairs``)."""
+    return [
+        str(args.peer_python), str(args.peer), "--configs", "dsv4", "--batches", str(batch),
+        "--repeats", "1", "--json", json_path,
+        "--requests-per-batch", str(args.requests_per_batch),
+        "--decode-len", str(args.decode_len),
+        "--prompt-min", str(args.prompt_min), "--prompt-max", str(args.prompt_max),
+        "--num-system-prompts", str(args.num_system_prompts),
+        "--system-prompt-len", str(args.system_prompt_len),
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        "--pool-factor", str(args.pool_factor), "--seed", str(args.seed),
+    ]  # fmt: skip
+
+
+def run_peer(args, batch: int) -> dict:
+    """One run of the peer (vLLM's manager, in its own venv) on the same trace: its dsv4 row."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "peer.json")
+        cmd = peer_command(args, batch, out)
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(
+                f"the peer failed (exit {done.returncode}): {' '.join(cmd)}\n{done.stderr[-2000:]}"
+            )
+        rows = [r for r in json.loads(pathlib.Path(out).read_text())["results"]]
+    row = next((r for r in rows if r["config"] == "dsv4" and r["batch"] == batch), None)
+    if row is None:
+        raise SystemExit(f"the peer wrote no dsv4 row for B={batch}: {' '.join(cmd)}")
+    return row
+
+
+def pair_ratios(peer: dict, ours: dict) -> tuple[float, float]:
+    """``(decode, admission)`` ratios vLLM / flatkv of one pair, hashing on both sides."""
+    v_dec = peer["decode_us"] + peer["hash_dec_us"]
+    v_adm = peer["admit_us"] + peer["hash_admit_us"]
+    return v_dec / ours["decode_us"], v_adm / ours["admit_us"]
 
 
 class OracleShadow:
@@ -297,7 +343,9 @@ class Run:
             step_tokens=self.budget + batch,
         )
         pages = pool_pages(gs, batch, max_len, self.budget, args.pool_factor)
-        self.plan = plan = plan_with_pages(gs, limits, pages)
+        self.plan = plan = plan_with_pages(
+            gs, limits, pages, evict_ahead_tokens=args.evict_ahead_tokens
+        )
         self.state = create_state(plan, seed=seed)
         self.trace = trace
         self.rows = args.admit_rows
@@ -536,8 +584,28 @@ def main():
     ap.add_argument(
         "--granularity", type=int, default=128, choices=sorted(GRANULARITY), help="hit granularity"
     )
+    ap.add_argument(
+        "--evict-ahead-tokens",
+        type=int,
+        default=0,
+        help="CachePlan.evict_ahead_tokens: a step that runs a pool dry also frees the pages "
+        "this many more tokens of every request would open there (0: the shortfall only)",
+    )
     ap.add_argument("--peer", type=pathlib.Path, default=DEFAULT_PEER)
     ap.add_argument("--vllm", type=pathlib.Path, default=None, help="peer --json output: ratios")
+    ap.add_argument(
+        "--pairs",
+        type=int,
+        default=0,
+        help="interleaved pairs: run the peer (with --peer-python), then ours, K times, "
+        "printing each pair's ratios and their median (replaces --vllm and --repeats)",
+    )
+    ap.add_argument(
+        "--peer-python",
+        type=pathlib.Path,
+        default=pathlib.Path("/tmp/vllmpeer/bin/python"),
+        help="the peer venv's python (bash ../shared/peers/setup_vllm_peer.sh /tmp/vllmpeer)",
+    )
     ap.add_argument("--json", default="")
     ap.add_argument(
         "--oracle",
@@ -568,6 +636,14 @@ def main():
         raise SystemExit(
             f"--oracle replays on the host oracle (plain Python): use B <= 32, not {max(batches)}"
         )
+    if args.pairs:
+        if args.vllm:
+            raise SystemExit("--pairs runs the peer itself: drop --vllm (or --pairs)")
+        if not args.peer_python.exists():
+            raise SystemExit(
+                f"--peer-python {args.peer_python} does not exist: build the peer's venv with "
+                "bash ../shared/peers/setup_vllm_peer.sh /tmp/vllmpeer, or pass its python"
+            )
     make_trace, vocab = load_make_trace(args.peer)
     assert vocab == 150_000, vocab
     print(
@@ -597,18 +673,36 @@ def main():
             args.prompt_max,
             args.decode_len,
         )
-        runs = []
-        for _ in range(args.repeats):
+        runs, pairs = [], []
+        for i in range(args.pairs or args.repeats):
             key = (
                 args.key_seed
                 if args.key_seed is not None
                 else int.from_bytes(os.urandom(16), "little")
             )
+            p = run_peer(args, batch) if args.pairs else None
             runs.append(Run(args, batch, trace, key).run())
+            if p is not None:
+                pairs.append((p, runs[-1]))
+                dec, adm = pair_ratios(p, runs[-1])
+                print(
+                    f"pair {i + 1}/{args.pairs} B={batch}: vllm decode+hash "
+                    f"{p['decode_us'] + p['hash_dec_us']:.2f}us admit+hash "
+                    f"{p['admit_us'] + p['hash_admit_us']:.1f}us hit {p['hit_rate'] * 100:.1f}% | "
+                    f"flatkv decode {runs[-1]['decode_us']:.2f}us admit "
+                    f"{runs[-1]['admit_us']:.1f}us hit {runs[-1]['hit_rate'] * 100:.1f}% | "
+                    f"ratio decode {dec:.2f}x admission {adm:.2f}x",
+                    flush=True,
+                )
         agg = dict(runs[0])
         for k in ("decode_us", "admit_us", "free_us"):
             agg[k] = statistics.median(r[k] for r in runs)
         agg.update(batch=batch, requests=n)
+        if pairs:
+            agg["pairs"] = [
+                {"vllm": p, "decode_ratio": d, "admission_ratio": a}
+                for p, (d, a) in ((p, pair_ratios(p, r)) for p, r in pairs)
+            ]
         results.append(agg)
         print(
             f"compile B={batch}: {agg['shapes']} shapes, {agg['compile_s']:.0f}s in first calls "
@@ -637,6 +731,16 @@ def main():
             f"{agg['short_hits']} admissions hit less than an earlier prompt shares",
             flush=True,
         )
+        if pairs:
+            dec = [x["decode_ratio"] for x in agg["pairs"]]
+            adm = [x["admission_ratio"] for x in agg["pairs"]]
+            print(
+                f"ratio  vllm/flatkv over {len(pairs)} interleaved pairs (each pair's peer and "
+                f"flatkv runs back to back): decode median {statistics.median(dec):.2f}x "
+                f"(min {min(dec):.2f}x, max {max(dec):.2f}x), admission median "
+                f"{statistics.median(adm):.2f}x (min {min(adm):.2f}x, max {max(adm):.2f}x)",
+                flush=True,
+            )
         if batch in peer:
             p = peer[batch]
             v_dec = p["decode_us"] + p["hash_dec_us"]

@@ -89,6 +89,7 @@ def plan_for_budget(
     prefill_requests: int = 1,
     cached_window_requests: int | None = None,
     name: str = "",
+    evict_ahead_tokens: int = 0,
 ) -> CachePlan:
     """Sizes every pool so that ``hbm_bytes`` serves the most history tokens.
 
@@ -100,6 +101,8 @@ def plan_for_budget(
       cached_window_requests: extra requests' worth of window pages kept for prefix hits;
         defaults to ``max_requests``.
       name: label for reports.
+      evict_ahead_tokens: :attr:`CachePlan.evict_ahead_tokens` (0: evict exactly the
+        shortfall).
 
     Returns:
       The plan.
@@ -154,7 +157,13 @@ def plan_for_budget(
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if cost(pages_for(mid)) <= budget else (lo, mid)
         tokens = lo
-    return CachePlan(groups=tuple(groups), limits=limits, num_pages=pages_for(tokens), name=name)
+    return CachePlan(
+        groups=tuple(groups),
+        limits=limits,
+        num_pages=pages_for(tokens),
+        name=name,
+        evict_ahead_tokens=evict_ahead_tokens,
+    )
 
 
 def plan_with_pages(
@@ -163,6 +172,7 @@ def plan_with_pages(
     pages: Mapping[str, int] | int,
     *,
     name: str = "",
+    evict_ahead_tokens: int = 0,
 ) -> CachePlan:
     """A plan with explicit pool sizes.
 
@@ -172,6 +182,8 @@ def plan_with_pages(
       pages: usable pages per group name (the null and scratch pages are added), or one
         count for every group.
       name: label for reports.
+      evict_ahead_tokens: :attr:`CachePlan.evict_ahead_tokens` (0: evict exactly the
+        shortfall).
 
     Raises:
       ValueError: a group is missing from ``pages``, an unknown name is given, or a pool is too
@@ -205,4 +217,5 @@ def plan_with_pages(
         limits=limits,
         num_pages=tuple(c + RESERVED_PAGES for c in counts),
         name=name,
+        evict_ahead_tokens=evict_ahead_tokens,
     )

@@ -161,3 +161,37 @@ def test_profile_steps_reads_shapes_scopes_and_copies_from_the_hlo():
     assert names["wrapped_reduce-window.3"] == "jit(f)/S_grow/add"
     assert names["copy.9"] == "jit(f)/S_grow/add"
     assert list(ps.big_copies(hlo)) == ["copy.9"]
+
+
+def test_pairs_run_the_peer_on_the_same_trace_arguments(vs):
+    """``--pairs``: the peer's command carries every trace and pool argument of ours, and the
+    pair ratios add the peer's hashing to its manager time (as the --vllm ratios do)."""
+    args = argparse.Namespace(
+        peer_python="/p/bin/python", peer="/s/vllm_kv_bench.py", requests_per_batch=4.0,
+        decode_len=96, prompt_min=512, prompt_max=2048, num_system_prompts=3,
+        system_prompt_len=256, max_num_batched_tokens=8192, pool_factor=1.5, seed=7,
+    )  # fmt: skip
+    cmd = vs.peer_command(args, 64, "/t/out.json")
+    assert cmd[:2] == ["/p/bin/python", "/s/vllm_kv_bench.py"]
+    flags = dict(zip(cmd[2::2], cmd[3::2], strict=True))
+    assert flags == {
+        "--configs": "dsv4", "--batches": "64", "--repeats": "1", "--json": "/t/out.json",
+        "--requests-per-batch": "4.0", "--decode-len": "96", "--prompt-min": "512",
+        "--prompt-max": "2048", "--num-system-prompts": "3", "--system-prompt-len": "256",
+        "--max-num-batched-tokens": "8192", "--pool-factor": "1.5", "--seed": "7",
+    }  # fmt: skip
+    peer = {"decode_us": 20.0, "hash_dec_us": 2.0, "admit_us": 300.0, "hash_admit_us": 1700.0}
+    assert vs.pair_ratios(peer, {"decode_us": 2.2, "admit_us": 400.0}) == pytest.approx((10, 5))
+
+
+def test_pairs_refuse_a_missing_peer_venv_and_a_second_peer_source():
+    """The refusals name the fix (the setup script; one source of peer numbers)."""
+    script = str(_BENCH / "vs_vllm.py")
+    base = [sys.executable, script, "--batches", "8", "--pairs", "1", "--compile-cache", ""]
+    out = subprocess.run(
+        [*base, "--peer-python", "/nonexistent/python"], capture_output=True, text=True
+    )
+    assert out.returncode != 0
+    assert "setup_vllm_peer.sh" in out.stderr and "/nonexistent/python" in out.stderr
+    out = subprocess.run([*base, "--vllm", "x.json"], capture_output=True, text=True)
+    assert out.returncode != 0 and "--pairs runs the peer itself: drop --vllm" in out.stderr

@@ -57,7 +57,8 @@ def grow(
     first and only then evict LRU cached-only pages (pages matched by the current admission
     are pinned in ``state.pinned``). Returns the state with tables and ``hi`` updated for the
     served rows and a :class:`Grown`. Everything is group-major (``[G, B]``, ``[G, B, K]``),
-    as ``state.hi`` and the zero lists are: no transposes.
+    as ``state.hi`` and the zero lists are: no transposes. With ``plan.evict_ahead_tokens``,
+    a call that evicted then tops up every pool's free stack (:func:`evict_ahead`).
 
     Args:
       hi: ``int32[G, B]`` first slot to allocate (default: the slot's ``hi``; admit passes
@@ -102,7 +103,22 @@ def grow(
     tables = state.table_buffer.at[jnp.where(take, idx, table_size(plan))].set(pages, mode="drop")
     hi_arr = set_cols(state.hi, s, served, hi + jnp.sum(take, axis=2, dtype=_I32))
     state = replace(state, allocator=pools, table_buffer=tables, hi=hi_arr)
+    if state.prefix and plan.evict_ahead_tokens:
+        state = evict_ahead(plan, state, short)
     return state, Grown(served, short_group, short_pages, pages.reshape(n_g, -1))
+
+
+def evict_ahead(plan: CachePlan, state: CacheState, short: jax.Array) -> CacheState:
+    """After an allocation that had to evict (``short[g] > 0`` for some pool): tops up every
+    pool's free stack to :meth:`~flatkv_jax.plan.CachePlan.evict_ahead_pages` pages by
+    evicting its LRU cached-only (unpinned) pages (fewer if fewer are left), so the next
+    steps find free pages. Every pool at once: pools run dry at different steps, and one
+    eviction per pool would evict about as often as none ahead. A call that evicted
+    nowhere runs none of it (a cond)."""
+    ahead = tuple(plan.evict_ahead_pages(g) for g in plan.groups)
+    room = jnp.maximum(jnp.asarray(ahead, _I32) - state.allocator.top, 0)
+    n = jnp.where(jnp.any(short > 0), room, 0)
+    return jax.lax.cond(jnp.any(n > 0), lambda st: evict(plan, st, n, ahead), lambda st: st, state)
 
 
 def evict_bounds(plan: CachePlan, b: int, k: int) -> tuple[int, ...]:

@@ -61,6 +61,14 @@ class HostPool:
         self._zero(page)
         self.refcount[page] = 1
 
+    def evict_to_free(self, page: int) -> None:
+        """Cached-only ``page``, whose index entry the caller removed, loses the index's
+        reference and goes to the free list (an eviction ahead of demand)."""
+        del self.lru[page]
+        self.indexed[page] = False
+        self.refcount[page] = 0
+        self.free.append(page)
+
     def incref(self, page: int) -> None:
         """A table takes a reference (a prefix hit); a cached-only page is in use again."""
         self.refcount[page] += 1

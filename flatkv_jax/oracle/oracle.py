@@ -100,6 +100,8 @@ class RadixOracle:
         """Empties everything: all pages free, all slots free, generations 0, index empty."""
         plan = self.plan
         self.pools = [HostPool(plan, gi) for gi in range(len(plan.groups))]
+        self._dry = [False] * len(plan.groups)  # pools this call's allocation evicted from
+        self.evicted_ahead = 0  # pages evicted ahead of demand so far (a statistic)
         self.index = RadixIndex()
         self.node_of: list[dict[int, Node]] = [{} for _ in plan.groups]  # page -> index node
         self.requests: list[_Request | None] = [None] * plan.limits.max_requests
@@ -145,10 +147,26 @@ class RadixOracle:
         pool = self.pools[gi]
         if pool.free:
             return pool.take_free()
+        self._dry[gi] = True
         page = pool.oldest_unpinned(pinned)
         self.index.remove(self.node_of[gi].pop(page), gi)
         pool.take_evicted(page)
         return page
+
+    def _evict_ahead(self, pinned: list[set[int]]) -> None:
+        """``CachePlan.evict_ahead_tokens``: after a call whose allocation evicted from any
+        pool, every pool's free list is topped up to ``plan.evict_ahead_pages(g)`` pages
+        with its LRU cached-only pages not pinned by the call (fewer if fewer are left)."""
+        if any(self._dry):
+            for gi, pool in enumerate(self.pools):
+                for _ in range(self.plan.evict_ahead_pages(gi) - len(pool.free)):
+                    page = next((p for p in pool.lru if p not in pinned[gi]), None)
+                    if page is None:
+                        break
+                    self.index.remove(self.node_of[gi].pop(page), gi)
+                    pool.evict_to_free(page)
+                    self.evicted_ahead += 1
+        self._dry = [False] * len(self.pools)
 
     def _new_slots(self, req: _Request, start: int, count: int) -> list[list[int]]:
         """Per group, the table slots positions ``[start, start + count)`` touch that hold no
@@ -350,6 +368,7 @@ class RadixOracle:
             self.requests[slot] = req
             res.status[i], res.slot[i], res.generation[i] = Status.OK, slot, self.generation[slot]
             res.hit[i], res.count[i] = h, count
+        self._evict_ahead(pinned)
         return res
 
     def extend(self, batch: OracleExtendBatch) -> OpResult:
@@ -398,6 +417,7 @@ class RadixOracle:
                 req.fifo.append([req.n, count, count])
                 req.n += count
                 res.status[i], res.count[i] = Status.OK, count
+        self._evict_ahead([set() for _ in self.pools])
         return res
 
     def retire(self, batch: OracleHandleBatch) -> OpResult:

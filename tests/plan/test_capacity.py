@@ -94,6 +94,27 @@ def test_plan_is_hashable_and_static():
     assert a == b and hash(a) == hash(b)
 
 
+def test_evict_ahead_pages_follow_the_block_span_and_are_checked():
+    """``evict_ahead_tokens``: pages per pool for that many more tokens of every request
+    slot (ceil), capped at the pool's usable pages; part of the plan's identity (a static
+    jit argument); both builders pass it; a bad value is refused with the fix."""
+    groups = deepseek_v4_groups(tiny_v4(), verify_width=2)
+    lim = ServingLimits(4, 64, 16, 2)
+    plan = plan_with_pages(groups, lim, 40, evict_ahead_tokens=6)
+    for g in plan.groups:
+        assert plan.evict_ahead_pages(g) == min(-(-4 * 6 // g.block_tokens), 40)
+    assert plan_with_pages(groups, lim, 40, evict_ahead_tokens=10_000).evict_ahead_pages(0) == 40
+    exact = plan_with_pages(groups, lim, 40)
+    assert exact.evict_ahead_tokens == 0 and exact.evict_ahead_pages(0) == 0
+    assert plan != exact and hash(plan) != hash(exact)
+    budget = plan_for_budget(groups, lim, "64MiB", evict_ahead_tokens=3)
+    assert budget.evict_ahead_tokens == 3
+    with pytest.raises(ValueError, match=r"evict_ahead_tokens=-1 is invalid: .*>= 0"):
+        plan_with_pages(groups, lim, 40, evict_ahead_tokens=-1)
+    with pytest.raises(TypeError, match=r"evict_ahead_tokens=1.5 is invalid"):
+        plan_with_pages(groups, lim, 40, evict_ahead_tokens=1.5)
+
+
 @pytest.mark.parametrize(
     ("text", "value"),
     [
