@@ -198,6 +198,14 @@ def oracle_plan(plan):
     return out
 
 
+def parse_pair(text: str) -> tuple[int, int]:
+    """``"A,B"`` as two non-negative ints (``--compare-evict-ahead``)."""
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise SystemExit(f"--compare-evict-ahead {text!r}: write two counts, e.g. 0,16")
+    return int(parts[0]), int(parts[1])
+
+
 def peer_command(args, batch: int, json_path: str) -> list[str]:
     """The peer's command line for one run on our trace and pool arguments (``--pairs``)."""
     return [
@@ -228,6 +236,35 @@ def run_peer(args, batch: int) -> dict:
     if row is None:
         raise SystemExit(f"the peer wrote no dsv4 row for B={batch}: {' '.join(cmd)}")
     return row
+
+
+def compare_evict_ahead(args, batch: int, trace, values: tuple[int, int]) -> dict:
+    """Two runs of the trace whose plans differ only in ``evict_ahead_tokens``, taking turns
+    call by call (the order flips every round), so both see the same machine at the same
+    moment; the decode ratio is the median over steps of step-for-step ratios (both runs
+    decode the same number of steps when their admissions agree)."""
+    key = args.key_seed if args.key_seed is not None else int.from_bytes(os.urandom(16), "little")
+    runs = [
+        Run(argparse.Namespace(**{**vars(args), "evict_ahead_tokens": v}), batch, trace, key)
+        for v in values
+    ]
+    gens = [r.steps() for r in runs]
+    live, k = list(range(2)), 0
+    while live:
+        for i in list(live) if k % 2 == 0 else list(reversed(live)):
+            try:
+                next(gens[i])
+            except StopIteration:
+                live.remove(i)
+        k += 1
+    a, b = (r.decode_series for r in runs)
+    n = min(len(a), len(b))
+    return {
+        "values": values,
+        "results": [r.result for r in runs],
+        "decode_ratio": statistics.median(y / x for x, y in zip(a[:n], b[:n], strict=True)),
+        "paired_steps": n,
+    }
 
 
 def pair_ratios(peer: dict, ours: dict) -> tuple[float, float]:
@@ -415,6 +452,15 @@ class Run:
         return usable - top - cached
 
     def run(self) -> dict:
+        """The whole trace; returns the result row."""
+        for _ in self.steps():
+            pass
+        return self.result
+
+    def steps(self):
+        """The trace as a generator that pauses before every timed call (so two runs can
+        take turns call by call: ``--compare-evict-ahead``); the result row is left in
+        ``self.result``."""
         b, vocab_tok = self.b, self._token
         pending = list(self.trace)
         running: dict[int, list] = {}  # rid -> [slot, gen, next position, outputs, dlen]
@@ -447,6 +493,7 @@ class Run:
                     slot[j], gen[j] = r[0], r[1]
                     tok[j, 0] = vocab_tok(rid, r[3] - 1)
                 packed = np.stack([v.astype(i32), slot, gen, tok[:, 0]])
+                yield
                 (est, rst), dt = self._timed("decode", self.decode, packed)
                 if (est[: len(rids)] != Status.OK).any() or (rst[: len(rids)] != Status.OK).any():
                     raise SystemExit(
@@ -489,6 +536,7 @@ class Run:
                     v[j] = True
                 ab = AdmitBatch(v, pl, pl.copy(), toks, np.zeros(rows, i32))
                 packed = np.concatenate([v.astype(i32)[:, None], pl[:, None], toks], axis=1)
+                yield
                 (st, slot, gen, hit), dt = self._timed(("admit", rows, width), self.admit, packed)
                 if self.oracle:
                     self.oracle.admit(steps, [int(c[0][4:]) for c in cands], ab, st, hit)
@@ -522,6 +570,7 @@ class Run:
                 for j, rid in enumerate(done):
                     slot[j], gen[j] = running.pop(rid)[:2]
                 mode = np.full(b, int(ReleaseMode.FINISH), i32)
+                yield
                 res, dt = self._timed("release", self.release, ReleaseBatch(v, slot, gen, mode))
                 if (np.asarray(res.status)[: len(done)] != Status.OK).any():
                     raise SystemExit("release failed")
@@ -532,7 +581,8 @@ class Run:
             if self.oracle:
                 self.oracle.check_counts(steps, self.state)
         usable = [self.plan.usable_pages(g) for g in self.plan.groups]
-        return {
+        self.decode_series = dec_us  # per timed decode step, µs per request
+        self.result = {
             "decode_us": statistics.median(dec_us) if dec_us else float("nan"),
             "admit_us": statistics.median(adm_us) if adm_us else float("nan"),
             "free_us": statistics.median(free_us) if free_us else float("nan"),
@@ -590,6 +640,13 @@ def main():
         default=0,
         help="CachePlan.evict_ahead_tokens: a step that runs a pool dry also frees the pages "
         "this many more tokens of every request would open there (0: the shortfall only)",
+    )
+    ap.add_argument(
+        "--compare-evict-ahead",
+        default="",
+        metavar="A,B",
+        help="instead of the table: two runs whose plans differ only in evict_ahead_tokens "
+        "(A, then B), taking turns call by call; prints both and B's per-step decode ratio",
     )
     ap.add_argument("--peer", type=pathlib.Path, default=DEFAULT_PEER)
     ap.add_argument("--vllm", type=pathlib.Path, default=None, help="peer --json output: ratios")
@@ -673,6 +730,23 @@ def main():
             args.prompt_max,
             args.decode_len,
         )
+        if args.compare_evict_ahead:
+            vals = parse_pair(args.compare_evict_ahead)
+            cmp = compare_evict_ahead(args, batch, trace, vals)
+            for v, r in zip(vals, cmp["results"], strict=True):
+                print(
+                    f"evict_ahead_tokens={v:3d} B={batch}: decode {r['decode_us']:.2f}us "
+                    f"admit {r['admit_us']:.1f}us free {r['free_us']:.1f}us "
+                    f"hit {r['hit_rate'] * 100:.1f}% steps {r['steps']}",
+                    flush=True,
+                )
+            print(
+                f"decode x{cmp['decode_ratio']:.3f} with evict_ahead_tokens={vals[1]} against "
+                f"{vals[0]} (median of {cmp['paired_steps']} step-for-step ratios)",
+                flush=True,
+            )
+            results.append({"batch": batch, "compare_evict_ahead": cmp})
+            continue
         runs, pairs = [], []
         for i in range(args.pairs or args.repeats):
             key = (

@@ -131,13 +131,13 @@ class CachePlan:
       limits: the serving limits the plan was sized for.
       num_pages: per group, pages in its pool array including the null and scratch pages.
       name: a label for reports.
-      evict_ahead_tokens: with prefix reuse, an allocation that has to evict LRU cached-only
-        pages from some pool then tops up every pool's free stack to the pages
+      evict_ahead_tokens: with prefix reuse, an admission whose allocation has to evict LRU
+        cached-only pages from some pool then tops up every pool's free stack to the pages
         ``evict_ahead_tokens`` more tokens of every request slot would open there
         (:meth:`evict_ahead_pages`), evicting LRU cached-only pages, so the next steps take
         free pages instead of each running an eviction of its own (on XLA:CPU the eviction
-        costs an evicting decode step ~30 thunks, ~50-80 us). 0 (the default): evict
-        exactly the shortfall. A larger value evicts cached pages a little earlier than
+        costs an evicting decode step ~30 thunks, ~50-80 us; V4-Flash at B = 256, T = 16:
+        decode x0.95, admission x1.03). 0 (the default): evict exactly the shortfall. A larger value evicts cached pages a little earlier than
         needed (docs/semantics.md, "Eviction ahead of demand").
     """
 

@@ -368,7 +368,7 @@ def extend_fn(
     want = valid & ~stale & ~bad & ~fifo_full & ~too_long
     step_full = over_step_budget(plan, want, cnt, same_step, mc)
     want = want & ~step_full
-    state, part = grow(plan, state, s, want, n_old + cnt, pages_per_row(plan, mc))
+    state, part = grow(plan, state, s, want, n_old + cnt, pages_per_row(plan, mc), top_up=False)
     served = part.served
     status = pick_status(
         Status.OK,

@@ -154,8 +154,8 @@ class RadixOracle:
         return page
 
     def _evict_ahead(self, pinned: list[set[int]]) -> None:
-        """``CachePlan.evict_ahead_tokens``: after a call whose allocation evicted from any
-        pool, every pool's free list is topped up to ``plan.evict_ahead_pages(g)`` pages
+        """``CachePlan.evict_ahead_tokens``: after an ``admit`` whose allocation evicted from
+        any pool, every pool's free list is topped up to ``plan.evict_ahead_pages(g)`` pages
         with its LRU cached-only pages not pinned by the call (fewer if fewer are left)."""
         if any(self._dry):
             for gi, pool in enumerate(self.pools):
@@ -417,7 +417,7 @@ class RadixOracle:
                 req.fifo.append([req.n, count, count])
                 req.n += count
                 res.status[i], res.count[i] = Status.OK, count
-        self._evict_ahead([set() for _ in self.pools])
+        self._dry = [False] * len(self.pools)  # extends do not evict ahead
         return res
 
     def retire(self, batch: OracleHandleBatch) -> OpResult:

@@ -384,8 +384,8 @@ def test_device_matches_the_oracle_on_one_token_window_blocks():
 # --- eviction ahead of demand ------------------------------------------------------------------
 @pytest.mark.parametrize(("recipe", "ahead"), [("full+swa", 2), ("full", 3)])
 def test_device_matches_the_oracle_when_evicting_ahead(recipe, ahead):
-    """``CachePlan.evict_ahead_tokens``: an allocation that runs a pool dry also evicts the
-    next LRU pages of that pool onto its free stack. Device and oracle agree on every op of
+    """``CachePlan.evict_ahead_tokens``: an admission that runs a pool dry then tops up every
+    pool's free stack with its next LRU pages. Device and oracle agree on every op of
     random traces (statuses, hits, pool counts, contents), the oracle did evict ahead (the
     comparison is not vacuous), and hits are still served."""
     plan = dataclasses.replace(GENERIC_PLANS[recipe](), evict_ahead_tokens=ahead)
@@ -397,8 +397,8 @@ def test_device_matches_the_oracle_when_evicting_ahead(recipe, ahead):
         made.append(RadixOracle(p, prefix_reuse=dev.prefix_reuse))
         return made[-1]
 
-    # Longer traces than the other device tests: pools run dry later in a trace (60 ops: ~60
-    # pages evicted ahead over the 32 traces, against ~6 at 25 ops).
+    # Longer traces than the other device tests: pools run dry later in a trace (60 ops: ~30
+    # pages evicted ahead over the 32 traces, against a handful at 25 ops).
     cfg = TraceConfig(num_ops=60)
     traces = [random_trace(plan, 9500 + seed, cfg) for seed in range(GENERIC_LANES)]
     reports = lockstep.run_lockstep(traces, dev, oracle=oracle)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from flatkv_jax import ServingLimits, plan_with_pages
-from flatkv_jax.coordinator import AdmitBatch, ExtendBatch, RetireBatch, create_state, host, ops
+from flatkv_jax.coordinator import AdmitBatch, RetireBatch, create_state, host, ops
 from flatkv_jax.prefix.index import create_indexes
 from flatkv_jax.prefix.match import MatchLayout, match_prompts
 from flatkv_jax.recipes import deepseek_v4_groups, tiny_v4
@@ -181,33 +181,32 @@ def test_decode_retire_of_few_reaching_rows_makes_no_index_sized_copies():
     assert _big_copies(big, min(big_plan.pages(g) for g in big_plan.groups)) == []
 
 
-def _decode_extend(pages: int, ahead: int):
-    """The compiled decode extend (``max_count = decode_tokens``, tokens given) of a plan with
-    ``pages`` pages per pool and ``evict_ahead_tokens = ahead``."""
+def _admit_ahead(pages: int, ahead: int):
+    """The compiled admit of B prompts of 64 tokens of a plan with ``pages`` pages per pool
+    and ``evict_ahead_tokens = ahead``."""
     plan = plan_with_pages(GROUPS, ServingLimits(B, 1024, 32, 2), pages, evict_ahead_tokens=ahead)
     state = jax.eval_shape(lambda: create_state(plan, seed=0))
     i32 = jax.ShapeDtypeStruct((B,), jnp.int32)
-    mc = plan.limits.decode_tokens
-    batch = ExtendBatch(
+    batch = AdmitBatch(
         jax.ShapeDtypeStruct((B,), jnp.bool_),
         i32,
         i32,
+        jax.ShapeDtypeStruct((B, 64), jnp.int32),
         i32,
-        jax.ShapeDtypeStruct((B, mc), jnp.int32),
     )
-    return plan, ops.extend.lower(plan, state, batch, max_count=mc).compile()
+    return plan, ops.admit.lower(plan, state, batch).compile()
 
 
-def test_decode_extend_evicting_ahead_makes_no_pool_sized_copies():
+def test_admission_evicting_ahead_makes_no_pool_sized_copies():
     """Eviction ahead of demand (a second eviction, decref and push in a cond after the
-    grow) adds no temporaries that grow with the pools, the indexes or the LRUs (16x the
-    pages), and no pool-sized copy that shares its buffer."""
-    _, small = _decode_extend(1200, 16)
-    big_plan, big = _decode_extend(19200, 16)
+    admission's grow) adds no temporaries that grow with the pools, the indexes or the LRUs
+    (16x the pages), and no pool-sized copy that shares its buffer."""
+    _, small = _admit_ahead(1200, 16)
+    big_plan, big = _admit_ahead(19200, 16)
     t_small = small.memory_analysis().temp_size_in_bytes
     t_big = big.memory_analysis().temp_size_in_bytes
     assert t_big <= 1.05 * t_small + 4096, (t_small, t_big)
     assert _big_copies(big, min(big_plan.pages(g) for g in big_plan.groups)) == []
     # The rule is compiled in: the step differs from the exact-shortfall one.
-    _, exact = _decode_extend(1200, 0)
+    _, exact = _admit_ahead(1200, 0)
     assert exact.as_text().count(" while(") < small.as_text().count(" while(")
