@@ -48,6 +48,13 @@ the bookkeeping is compared) and stops at the first row whose status or hit diff
 whose pool counts (free / in use / cached-only) differ after a step; it prints both hit
 rates. Use it with a small ``B`` (at most 32: the oracle is plain Python).
 
+``--evict-ahead-tokens T`` builds the plan with ``CachePlan.evict_ahead_tokens = T`` (an
+admission that evicts tops every pool's free stack up for ``T`` more tokens per request slot;
+docs/semantics.md). ``--compare-evict-ahead A,B`` runs the trace twice in one process, the
+two plans differing only in that value, taking turns call by call (``Run.steps`` pauses before
+every timed call), and prints both rows and the median of step-for-step decode ratios: on
+this 2-vCPU machine separate runs drift by more than the 5 % such a change makes.
+
 The first call of every compiled shape is not timed (compilation). Run both in one go (see
 docs/benchmarks.md, "Versus vLLM")::
 

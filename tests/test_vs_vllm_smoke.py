@@ -195,3 +195,12 @@ def test_pairs_refuse_a_missing_peer_venv_and_a_second_peer_source():
     assert "setup_vllm_peer.sh" in out.stderr and "/nonexistent/python" in out.stderr
     out = subprocess.run([*base, "--vllm", "x.json"], capture_output=True, text=True)
     assert out.returncode != 0 and "--pairs runs the peer itself: drop --vllm" in out.stderr
+
+
+def test_compare_evict_ahead_reads_two_counts(vs):
+    """``--compare-evict-ahead A,B``: two non-negative counts, or a refusal with an example."""
+    assert vs.parse_pair("0,16") == (0, 16)
+    assert vs.parse_pair(" 8, 0") == (8, 0)
+    for bad in ("16", "0,16,32", "a,b", "-1,4"):
+        with pytest.raises(SystemExit, match=r"write two counts, e.g. 0,16"):
+            vs.parse_pair(bad)
