@@ -137,8 +137,9 @@ class CachePlan:
         (:meth:`evict_ahead_pages`), evicting LRU cached-only pages, so the next steps take
         free pages instead of each running an eviction of its own (on XLA:CPU the eviction
         costs an evicting decode step ~30 thunks, ~50-80 us; V4-Flash at B = 256, T = 16:
-        decode x0.95, admission x1.03). 0 (the default): evict exactly the shortfall. A larger value evicts cached pages a little earlier than
-        needed (docs/semantics.md, "Eviction ahead of demand").
+        decode x0.95, admission x1.03). 0 (the default): evict exactly the shortfall. A
+        larger value evicts cached pages a little earlier than needed (docs/semantics.md,
+        "Eviction ahead of demand").
     """
 
     groups: tuple[GroupSpec, ...]

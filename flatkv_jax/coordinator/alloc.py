@@ -50,7 +50,7 @@ def grow(
     k: int,
     hi: jax.Array | None = None,
     pinned_cached: jax.Array | None = None,
-    top_up: bool = True,
+    top_up: bool = False,
 ) -> tuple[CacheState, Grown]:
     """Allocates every block ``[hi, ceil(new_end / B))`` of every group, atomically, in order.
 
@@ -59,8 +59,8 @@ def grow(
     are pinned in ``state.pinned``). Returns the state with tables and ``hi`` updated for the
     served rows and a :class:`Grown`. Everything is group-major (``[G, B]``, ``[G, B, K]``),
     as ``state.hi`` and the zero lists are: no transposes. With ``plan.evict_ahead_tokens``
-    and ``top_up`` (``admit``; ``extend`` passes False), a call that evicted then tops up
-    every pool's free stack (:func:`evict_ahead`).
+    and ``top_up`` (``admit`` passes True, ``extend`` leaves it False), a call that evicted
+    then tops up every pool's free stack (:func:`evict_ahead`).
 
     Args:
       hi: ``int32[G, B]`` first slot to allocate (default: the slot's ``hi``; admit passes

@@ -164,6 +164,7 @@ def admit_fn(
         pages_per_row(plan, mc),
         hi=div_groups(hit[None, :], state_layout(plan).block_tokens, 0),
         pinned_cached=pinned_cached,
+        top_up=True,  # plan.evict_ahead_tokens: admissions top the free stacks up
     )
     served = part.served
     if batch.tokens is None:
@@ -368,7 +369,7 @@ def extend_fn(
     want = valid & ~stale & ~bad & ~fifo_full & ~too_long
     step_full = over_step_budget(plan, want, cnt, same_step, mc)
     want = want & ~step_full
-    state, part = grow(plan, state, s, want, n_old + cnt, pages_per_row(plan, mc), top_up=False)
+    state, part = grow(plan, state, s, want, n_old + cnt, pages_per_row(plan, mc))
     served = part.served
     status = pick_status(
         Status.OK,
