@@ -238,7 +238,7 @@ def run_peer(args, batch: int) -> dict:
             raise SystemExit(
                 f"the peer failed (exit {done.returncode}): {' '.join(cmd)}\n{done.stderr[-2000:]}"
             )
-        rows = [r for r in json.loads(pathlib.Path(out).read_text())["results"]]
+        rows = json.loads(pathlib.Path(out).read_text())["results"]
     row = next((r for r in rows if r["config"] == "dsv4" and r["batch"] == batch), None)
     if row is None:
         raise SystemExit(f"the peer wrote no dsv4 row for B={batch}: {' '.join(cmd)}")
@@ -274,10 +274,14 @@ def compare_evict_ahead(args, batch: int, trace, values: tuple[int, int]) -> dic
     }
 
 
+def peer_totals(peer: dict) -> tuple[float, float]:
+    """The peer's ``(decode + hash, admit + hash)`` µs: what our columns compare with."""
+    return peer["decode_us"] + peer["hash_dec_us"], peer["admit_us"] + peer["hash_admit_us"]
+
+
 def pair_ratios(peer: dict, ours: dict) -> tuple[float, float]:
     """``(decode, admission)`` ratios vLLM / flatkv of one pair, hashing on both sides."""
-    v_dec = peer["decode_us"] + peer["hash_dec_us"]
-    v_adm = peer["admit_us"] + peer["hash_admit_us"]
+    v_dec, v_adm = peer_totals(peer)
     return v_dec / ours["decode_us"], v_adm / ours["admit_us"]
 
 
@@ -645,8 +649,9 @@ def main():
         "--evict-ahead-tokens",
         type=int,
         default=0,
-        help="CachePlan.evict_ahead_tokens: a step that runs a pool dry also frees the pages "
-        "this many more tokens of every request would open there (0: the shortfall only)",
+        help="CachePlan.evict_ahead_tokens: an admission that runs a pool dry tops every "
+        "pool's free stack up to the pages this many more tokens of every request slot would "
+        "open there (0: the shortfall only)",
     )
     ap.add_argument(
         "--compare-evict-ahead",
@@ -764,12 +769,12 @@ def main():
             p = run_peer(args, batch) if args.pairs else None
             runs.append(Run(args, batch, trace, key).run())
             if p is not None:
-                pairs.append((p, runs[-1]))
                 dec, adm = pair_ratios(p, runs[-1])
+                pairs.append({"vllm": p, "decode_ratio": dec, "admission_ratio": adm})
+                v_dec, v_adm = peer_totals(p)
                 print(
-                    f"pair {i + 1}/{args.pairs} B={batch}: vllm decode+hash "
-                    f"{p['decode_us'] + p['hash_dec_us']:.2f}us admit+hash "
-                    f"{p['admit_us'] + p['hash_admit_us']:.1f}us hit {p['hit_rate'] * 100:.1f}% | "
+                    f"pair {i + 1}/{args.pairs} B={batch}: vllm decode+hash {v_dec:.2f}us "
+                    f"admit+hash {v_adm:.1f}us hit {p['hit_rate'] * 100:.1f}% | "
                     f"flatkv decode {runs[-1]['decode_us']:.2f}us admit "
                     f"{runs[-1]['admit_us']:.1f}us hit {runs[-1]['hit_rate'] * 100:.1f}% | "
                     f"ratio decode {dec:.2f}x admission {adm:.2f}x",
@@ -780,10 +785,7 @@ def main():
             agg[k] = statistics.median(r[k] for r in runs)
         agg.update(batch=batch, requests=n)
         if pairs:
-            agg["pairs"] = [
-                {"vllm": p, "decode_ratio": d, "admission_ratio": a}
-                for p, (d, a) in ((p, pair_ratios(p, r)) for p, r in pairs)
-            ]
+            agg["pairs"] = pairs
         results.append(agg)
         print(
             f"compile B={batch}: {agg['shapes']} shapes, {agg['compile_s']:.0f}s in first calls "
@@ -813,8 +815,8 @@ def main():
             flush=True,
         )
         if pairs:
-            dec = [x["decode_ratio"] for x in agg["pairs"]]
-            adm = [x["admission_ratio"] for x in agg["pairs"]]
+            dec = [x["decode_ratio"] for x in pairs]
+            adm = [x["admission_ratio"] for x in pairs]
             print(
                 f"ratio  vllm/flatkv over {len(pairs)} interleaved pairs (each pair's peer and "
                 f"flatkv runs back to back): decode median {statistics.median(dec):.2f}x "
@@ -824,8 +826,7 @@ def main():
             )
         if batch in peer:
             p = peer[batch]
-            v_dec = p["decode_us"] + p["hash_dec_us"]
-            v_adm = p["admit_us"] + p["hash_admit_us"]
+            v_dec, v_adm = peer_totals(p)
             print(
                 f"vllm   B={batch:4d} decode+hash={v_dec:7.2f}us admit+hash={v_adm:8.1f}us "
                 f"hit={p['hit_rate'] * 100:5.1f}% peak={p['peak_blocks']}/{p['num_blocks']}\n"
