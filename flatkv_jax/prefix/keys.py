@@ -157,10 +157,14 @@ def _rotl(x: jax.Array, r: int) -> jax.Array:
     return (x << np.uint32(r)) | (x >> np.uint32(32 - r))
 
 
-#: Arrays of at least this many words run the rounds of ``P`` in a loop (see _permute).
-_LOOP_MIN_WORDS = 512
+#: Arrays of at least this many words run the rounds of ``P`` in a loop (see
+#: _permute_lanes; a one-row admission's 65 finishing mixes, 260 words: 46 -> 15 us).
+_LOOP_MIN_WORDS = 128
 #: Rounds per loop iteration.
 _LOOP_ROUNDS = 2
+#: Chains of at least this many rows run their scan on the four words as separate arrays
+#: (see _chain_run).
+_PLANAR_CHAIN_ROWS = 4
 
 
 def _round(a, b, c, d, rc):
@@ -178,7 +182,15 @@ def _round(a, b, c, d, rc):
 
 def _permute(x: jax.Array, rounds: int) -> jax.Array:
     """``P``: a fixed permutation of ``uint32[..., 4]`` (ChaCha quarter-rounds, roles rotated
-    and a constant injected between rounds). Public; the keys make it secret.
+    and a constant injected between rounds). Public; the keys make it secret."""
+    return jnp.stack(_permute_lanes(tuple(x[..., i] for i in range(4)), rounds), axis=-1)
+
+
+def _permute_lanes(lanes: tuple, rounds: int) -> tuple:
+    """:func:`_permute` on the four words as separate arrays (``lanes``: four ``uint32[...]``
+    of one shape): a prompt's token terms are computed so, each word then summed over
+    contiguous terms (:func:`_block_sums`; a word of ``[..., 4]`` is every fourth one), and
+    the chain scan of four rows or more steps so (:func:`_chain_run`).
 
     Large arrays (a prompt's lanes) run the rounds in a ``fori_loop`` of ``_LOOP_ROUNDS``
     rounds per iteration: XLA:CPU compiles seven or more unrolled rounds over a large array
@@ -186,8 +198,8 @@ def _permute(x: jax.Array, rounds: int) -> jax.Array:
     unrolled, 0.22 ms looped; a B = 256 decode step's publish hash, 1.1 ms -> 0.3 ms), and the
     loop is a smaller program. The words are the same either way; tiny arrays stay unrolled.
     """
-    a, b, c, d = (x[..., i] for i in range(4))
-    n_loop = rounds // _LOOP_ROUNDS if rounds > 6 and x.size >= _LOOP_MIN_WORDS else 0
+    a, b, c, d = lanes
+    n_loop = rounds // _LOOP_ROUNDS if rounds > 6 and 4 * a.size >= _LOOP_MIN_WORDS else 0
     if n_loop:
         rc = jnp.asarray(_RC)
 
@@ -199,12 +211,18 @@ def _permute(x: jax.Array, rounds: int) -> jax.Array:
         a, b, c, d = jax.lax.fori_loop(0, n_loop, body, (a, b, c, d))
     for r in range(n_loop * _LOOP_ROUNDS, rounds):
         a, b, c, d = _round(a, b, c, d, _RC[r % len(_RC)])
-    return jnp.stack([a, b, c, d], axis=-1)
+    return a, b, c, d
 
 
 def _cipher(k: jax.Array, x: jax.Array, rounds: int) -> jax.Array:
     """``E_k(x) = P(x ^ k) ^ k`` (Even-Mansour): a keyed bijection of 128-bit words."""
     return _permute(x ^ k, rounds) ^ k
+
+
+def _cipher_lanes(k: tuple, x: tuple, rounds: int) -> tuple:
+    """:func:`_cipher` on the four words as separate arrays (``k``, ``x``: four each)."""
+    y = _permute_lanes(tuple(a ^ b for a, b in zip(x, k, strict=True)), rounds)
+    return tuple(a ^ b for a, b in zip(y, k, strict=True))
 
 
 @jax.tree_util.register_dataclass
@@ -261,10 +279,28 @@ def token_terms(tokens: jax.Array, positions: jax.Array, sub: Subkeys, mask: jax
 
 
 def _terms(term_key: jax.Array, tokens: jax.Array, positions: jax.Array, mask: jax.Array):
+    # Stacked words: a decode step's few terms per row (its publish hash, add_terms); made
+    # from `_term_lanes` they cost the decode step x1.01-1.03 (ab_compiled, both orders).
     z = jnp.zeros(tokens.shape, _U32)
     x = jnp.stack([tokens.astype(_U32), positions.astype(_U32), z, z], axis=-1)
     terms = _cipher(term_key[:, None, :], x, TERM_ROUNDS)
     return jnp.where(mask[:, :, None], terms, _U32(0))
+
+
+def _term_lanes(
+    term_key: jax.Array, tokens: jax.Array, positions: jax.Array, mask: jax.Array
+) -> tuple:
+    """The token terms ``E_tk(t, k, 0, 0)`` as four ``uint32[B, T]`` word arrays (0 where
+    ``mask`` is False): :func:`_cipher` with the words kept apart (:func:`_permute_lanes`)."""
+    k = tuple(term_key[:, i, None] for i in range(LANES))  # [B, 1] each
+    x = (
+        tokens.astype(_U32) ^ k[0],
+        positions.astype(_U32) ^ k[1],
+        jnp.broadcast_to(k[2], tokens.shape),
+        jnp.broadcast_to(k[3], tokens.shape),
+    )
+    y = _permute_lanes(x, TERM_ROUNDS)
+    return tuple(jnp.where(mask, w ^ kw, _U32(0)) for w, kw in zip(y, k, strict=True))
 
 
 def _chain_key(sub: Subkeys, s: jax.Array) -> jax.Array:
@@ -430,7 +466,26 @@ def _chain_run(
         jnp.swapaxes(bounds, 0, 1),
         None if done is None else jnp.swapaxes(done, 0, 1),
     )
-    s, (heads, gs) = jax.lax.scan(step, s0, xs)
+    if tot.shape[0] < _PLANAR_CHAIN_ROWS:
+        s, (heads, gs) = jax.lax.scan(step, s0, xs)
+    else:
+        # The words as four [B] arrays: the step is one elementwise fusion, the outputs one
+        # [B, 8] slice per block (measured, 32 blocks: B = 4 115 -> 75 us, B = 8 265 -> 116;
+        # below 4 rows XLA:CPU runs the stacked loop as one call, which is faster still).
+        ck = tuple(sub.chain[:, i] for i in range(LANES))
+        fk = tuple(sub.final[:, i] for i in range(LANES))
+
+        def step_words(w, x):
+            t, e, ok = x
+            g = _cipher_lanes(ck, w, CHAIN_ROUNDS)
+            y = tuple(gi + t[:, i] for i, gi in enumerate(g))
+            nxt = _cipher_lanes(fk, (*y[:3], y[3] ^ e.astype(_U32)), CHAIN_ROUNDS)
+            if ok is not None:
+                nxt = tuple(jnp.where(ok, a, b) for a, b in zip(nxt, w, strict=True))
+            return nxt, jnp.stack([*w, *g], axis=-1)
+
+        w, ys = jax.lax.scan(step_words, tuple(s0[:, i] for i in range(LANES)), xs)
+        s, heads, gs = jnp.stack(w, axis=-1), ys[..., :LANES], ys[..., LANES:]
     heads = jnp.concatenate([jnp.swapaxes(heads, 0, 1), s[:, None]], axis=1)
     return heads, jnp.swapaxes(gs, 0, 1)
 
@@ -487,9 +542,7 @@ def chain_lanes(tokens: jax.Array, lengths: jax.Array, namespace, *, seed, unit:
     padded = jnp.pad(tokens, ((0, 0), (0, nb * c - length)))
     pos = jnp.broadcast_to(jnp.arange(nb * c, dtype=jnp.int32)[None, :], (b, nb * c))
     sub = subkeys(seed, namespace, b)
-    terms = token_terms(padded, pos, sub, pos < lengths[:, None])
-    per_unit = jnp.sum(terms.reshape(b, nb, per, u, LANES), axis=3, dtype=_U32)
-    acc = jnp.cumsum(per_unit, axis=2, dtype=_U32)  # [B, nb, per, 4]: A_j at each u-end
+    acc = _block_sums(sub, padded, pos, pos < lengths[:, None], u)  # [B, nb, per, 4]
     bounds = jnp.broadcast_to(((jnp.arange(nb, dtype=jnp.int32) + 1) * c)[None, :], (b, nb))
     heads, g = _chain_run(sub, jnp.zeros((b, LANES), _U32), acc[:, :, -1], bounds, None)
     ends = ((jnp.arange(nb * per, dtype=jnp.int32) + 1) * u).reshape(1, nb, per)
@@ -497,6 +550,33 @@ def chain_lanes(tokens: jax.Array, lengths: jax.Array, namespace, *, seed, unit:
     k = unit // u
     lanes = lanes[:, k - 1 :: k][:, : length // unit]
     return PromptHash(lanes, acc.reshape(b, nb * per, LANES), heads, unit, u)
+
+
+def _block_sums(sub: Subkeys, tokens: jax.Array, pos: jax.Array, mask: jax.Array, u: int):
+    """``A`` at every ``u``-end of chain blocks: ``uint32[B, n, CHAIN_TOKENS // u, LANES]``
+    for ``tokens`` ``int32[B, n * CHAIN_TOKENS]`` laid from a chain-block start (``pos``
+    their positions, ``mask`` the real ones). Word by word: each word's per-unit sums read
+    contiguous terms (:func:`_permute_lanes`), and the only cumulative sum runs over a
+    block's units, not its tokens.
+
+    The four words' unit sums are one variadic reduction: XLA:CPU fuses the terms into it
+    and computes each token's cipher once for all four words, where four separate sums
+    each recomputed the whole cipher for their word (4 x 4,224 tokens: 137 -> 52 us).
+    """
+    b, length = tokens.shape
+    n, per = length // CHAIN_TOKENS, CHAIN_TOKENS // u
+    terms = tuple(w.reshape(b, n, per, u) for w in _term_lanes(sub.term, tokens, pos, mask))
+    return jnp.cumsum(_sum_words(terms, 3), axis=2, dtype=_U32)
+
+
+def _sum_words(words: tuple, axis: int) -> jax.Array:
+    """The four word arrays summed (mod 2**32) over ``axis`` in one variadic reduction
+    (see :func:`_block_sums`), stacked last: ``uint32[..., LANES]``."""
+    zero = (_U32(0),) * LANES
+    sums = jax.lax.reduce(
+        words, zero, lambda x, y: tuple(p + q for p, q in zip(x, y, strict=True)), (axis,)
+    )
+    return jnp.stack(sums, axis=-1)
 
 
 def chain_state(ph: PromptHash, ends: jax.Array) -> jax.Array:
@@ -564,6 +644,8 @@ def extend_chain(
     c = CHAIN_TOKENS
     if sub is None:
         sub = subkeys(seed, namespace, b)
+    if unit > 1 and t > 1:
+        return _extend_by_units(chain, tokens, start, count, sub, unit)
     offs = jnp.arange(t, dtype=jnp.int32)[None, :]
     pos = start[:, None] + offs
     terms = token_terms(tokens, pos, sub, offs < count[:, None])
@@ -604,6 +686,51 @@ def extend_chain(
         s_new = jnp.take_along_axis(heads, (end // c - q0)[:, None, None], axis=1)[:, 0]
     a_last = jnp.take_along_axis(acc, jnp.clip(count - 1, 0, t - 1)[:, None, None], axis=1)[:, 0]
     a_new = jnp.where((count > 0)[:, None], a_last, a0)
+    a_new = jnp.where((end % c == 0)[:, None], _U32(0), a_new)
+    return lanes, jnp.concatenate([s_new, a_new], axis=1)
+
+
+def _extend_by_units(
+    chain: jax.Array, tokens: jax.Array, start: jax.Array, count: jax.Array, sub, unit: int
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`extend_chain` for ``unit > 1`` and more than one token: the tokens are laid
+    from the chain-block start at or before ``start`` (shifted by ``start``'s phase, the
+    earlier positions masked), so the block sums are :func:`chain_lanes`' per-unit sums and
+    a cumulative sum over a block's units (no cumulative sum over ``T`` tokens, no gathers
+    of per-token sums), continued from the chain state: ``A`` of the first block starts at
+    the state's partial sum. Same words as the per-token path."""
+    b, t = tokens.shape
+    c = CHAIN_TOKENS
+    u = math.gcd(unit, c)
+    per = c // u
+    n = (c + t - 2) // c + 1  # chain blocks the T positions can touch, whatever the phase
+    s0, a0 = chain[:, :LANES], chain[:, LANES:]
+    q0 = start // c
+    base, phase = q0 * c, start % c
+    i = jnp.arange(n * c, dtype=jnp.int32)[None, :]
+    laid = jnp.take_along_axis(tokens, jnp.clip(i - phase[:, None], 0, t - 1), axis=1)
+    mask = (i >= phase[:, None]) & (i < (phase + count)[:, None])
+    acc = _block_sums(sub, laid, base[:, None] + i, mask, u)  # [B, n, per, 4]
+    acc = acc.at[:, 0].add(a0[:, None, :])  # block 0 continues the state's partial sum
+    end = start + count
+    rr = jnp.arange(n, dtype=jnp.int32)[None, :]
+    bounds = (q0[:, None] + rr + 1) * c
+    heads, g = _chain_run(sub, s0, acc[:, :, -1], bounds, bounds <= end[:, None])
+    flat = acc.reshape(b, n * per, LANES)
+    # The ends e_j, their u-end on the laid grid and their chain block (clipped: junk
+    # beyond what the row's tokens reach).
+    m = t // unit + 1
+    ends = (start[:, None] // unit + 1 + jnp.arange(m, dtype=jnp.int32)[None, :]) * unit
+    at = jnp.clip((ends - base[:, None]) // u - 1, 0, n * per - 1)
+    seg = jnp.clip((ends - 1 - base[:, None]) // c, 0, n - 1)
+    g_at = jnp.take_along_axis(g, seg[:, :, None], axis=1)
+    a_at = jnp.take_along_axis(flat, at[:, :, None], axis=1)
+    lanes = _finish(sub, g_at, a_at, ends)
+    s_new = jnp.take_along_axis(heads, (end // c - q0)[:, None, None], axis=1)[:, 0]
+    # A at `end`: the u-end at or after it (tokens past `end` are masked out of its sum).
+    last = jnp.clip(-(-(end - base) // u) - 1, 0, n * per - 1)
+    a_end = jnp.take_along_axis(flat, last[:, None, None], axis=1)[:, 0]
+    a_new = jnp.where((count > 0)[:, None], a_end, a0)
     a_new = jnp.where((end % c == 0)[:, None], _U32(0), a_new)
     return lanes, jnp.concatenate([s_new, a_new], axis=1)
 

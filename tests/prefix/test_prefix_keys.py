@@ -439,3 +439,58 @@ def test_stored_subkeys_and_add_terms_continue_the_chain_as_extend_chain(rng):
                 np.testing.assert_array_equal(added[r], np.asarray(chain)[r])
                 checked += 1
     assert checked >= 8
+
+
+@pytest.mark.parametrize("rows", [2, 5])
+def test_extend_by_units_gives_the_per_token_lanes_and_state(rows):
+    """``extend_chain`` with ``unit > 1`` and several tokens lays the tokens from their chain
+    block's start and sums whole units (``_extend_by_units``); with ``unit = 1`` it sums
+    token by token: the two must give the same lanes at every unit end the tokens reach and
+    the same chain state, for random starts (unaligned, at block ends), counts (0, partial,
+    full) and widths, below and at the row count whose chain scan keeps the words apart."""
+    rng = np.random.default_rng(rows)
+    n = 1400
+    t = rng.integers(0, 50_000, size=(rows, n)).astype(np.int32)
+    ns = jnp.asarray(rng.integers(0, 9, size=(rows, 2)), jnp.uint32)
+    ph = chain_lanes(jnp.asarray(t), jnp.full((rows,), n, jnp.int32), ns, seed=SEED, unit=1)
+    checked = 0
+    for unit, width in ((4, 130), (64, 256), (128, 700), (256, 300), (64, 2)):
+        starts = rng.integers(0, n - width, size=rows).astype(np.int32)
+        starts[0] = 2 * K.CHAIN_TOKENS  # a chain-block start
+        starts[-1] = 3 * K.CHAIN_TOKENS - 1  # one short of a block end
+        counts = rng.integers(0, width + 1, size=rows).astype(np.int32)
+        counts[0] = width
+        counts[1] = 0
+        start = jnp.asarray(starts)
+        state = K.chain_state(ph, start)
+        toks = jnp.asarray(np.stack([t[r, s : s + width] for r, s in enumerate(starts)]))
+        args = (state, toks, start, jnp.asarray(counts), ns)
+        lanes_u, s_u = extend_chain(*args, seed=SEED, unit=unit)
+        lanes_1, s_1 = extend_chain(*args, seed=SEED)
+        np.testing.assert_array_equal(np.asarray(s_u), np.asarray(s_1))
+        lanes_u, lanes_1 = np.asarray(lanes_u), np.asarray(lanes_1)
+        for r in range(rows):
+            for j in range(lanes_u.shape[1]):
+                e = (int(starts[r]) // unit + 1 + j) * unit
+                if e <= starts[r] + counts[r]:
+                    np.testing.assert_array_equal(lanes_u[r, j], lanes_1[r, e - starts[r] - 1])
+                    checked += 1
+    assert checked > 10 * rows
+
+
+def test_chain_lanes_of_a_batch_are_each_prompts_own():
+    """The chain scan runs on the four words as separate arrays from ``_PLANAR_CHAIN_ROWS``
+    rows up, stacked below: a batch's lanes, block sums and chain keys are those of each
+    prompt hashed alone (one row)."""
+    rng = np.random.default_rng(3)
+    rows = K._PLANAR_CHAIN_ROWS + 1
+    t = rng.integers(0, 50_000, size=(rows, 1100)).astype(np.int32)
+    lengths = jnp.asarray(rng.integers(1, 1100, size=rows), jnp.int32)
+    ns = jnp.asarray(rng.integers(0, 9, size=(rows, 2)), jnp.uint32)
+    batch = chain_lanes(jnp.asarray(t), lengths, ns, seed=SEED, unit=64)
+    for r in range(rows):
+        one = chain_lanes(
+            jnp.asarray(t[r : r + 1]), lengths[r : r + 1], ns[r : r + 1], seed=SEED, unit=64
+        )
+        for a, b in ((batch.lanes, one.lanes), (batch.acc, one.acc), (batch.heads, one.heads)):
+            np.testing.assert_array_equal(np.asarray(a)[r], np.asarray(b)[0])
