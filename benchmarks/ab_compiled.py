@@ -11,7 +11,8 @@ time ratio (paired), beside each version's median.
 
 Both versions must keep the same state pytree (leaf shapes and order) and the same
 semantics: before timing a shape, ``run`` applies every version to copies of the same state
-and input and refuses to go on if their outputs or new states differ.
+and input and refuses to go on if their outputs or new states differ (stale free-stack slots
+and where in its bucket pair an index entry sits are not compared).
 
 Run (the older version from a git worktree)::
 
@@ -52,7 +53,14 @@ def _import_vs_vllm():
 
 
 #: Compiled shapes compared: the decode step, and the admission buckets the trace uses most.
-SHAPES = (("decode",), ("admit", 1, 2048), ("admit", 1, 4096), ("admit", 2, 2048))
+SHAPES = (
+    ("decode",),
+    ("admit", 1, 2048),
+    ("admit", 1, 4096),
+    ("admit", 2, 2048),
+    ("admit", 2, 4096),
+    ("admit", 4, 4096),
+)
 
 
 #: The vs_vllm defaults the trace and the plan are built from (vs_vllm's own options exist
@@ -143,11 +151,53 @@ def _stacks_below_top(tree, plan):
     return jax.tree.map(canon, tree, is_leaf=lambda x: isinstance(x, BlockPoolSet))
 
 
+def _index_as_entries(tree):
+    """``tree`` with every prefix index set replaced by its entries, sorted: ``(group, page,
+    key words)`` per entry in use, which pages are held, and the counts. Where an entry sits
+    (which bucket of its pair, which way) is not part of the semantics: a key may sit in
+    either bucket of its pair (docs/prefix.md), and two versions that insert in different
+    chunks may place it differently."""
+    from flatkv_jax.prefix.index import PrefixIndexSet
+
+    def canon(x):
+        if not isinstance(x, PrefixIndexSet):
+            return x
+        pages = np.asarray(x.pages)
+        group = np.repeat(np.arange(len(x.num_buckets)), x.num_buckets)[:, None]
+        used = pages > 0
+        rows = np.concatenate(
+            [
+                np.broadcast_to(group, pages.shape)[used][:, None].astype(np.int64),
+                pages[used][:, None].astype(np.int64),
+                np.asarray(x.keys)[used].astype(np.int64),
+            ],
+            axis=1,
+        )
+        rows = rows[np.lexsort(rows.T[::-1])]
+        return (rows, np.asarray(x.slot_of_page) >= 0, np.asarray(x.count))
+
+    return jax.tree.map(canon, tree, is_leaf=lambda x: isinstance(x, PrefixIndexSet))
+
+
 def _same(a, b) -> bool:
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     return len(la) == len(lb) and all(
         np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb, strict=True)
     )
+
+
+def _pick_shapes(text: str | None) -> tuple:
+    """``--shapes``: comma-separated ``decode`` / ``admit-ROWS-WIDTH`` among :data:`SHAPES`
+    (default: all of them)."""
+    if not text:
+        return SHAPES
+    names = {"-".join(map(str, s)): s for s in SHAPES}
+    picked = []
+    for name in text.split(","):
+        if name not in names:
+            raise SystemExit(f"--shapes {name!r}: pick among {', '.join(names)}")
+        picked.append(names[name])
+    return tuple(picked)
 
 
 def run_ab(args) -> None:
@@ -165,7 +215,8 @@ def run_ab(args) -> None:
     run = _make_run(vs, args)
     exe = {}
     spares = []
-    for shape in SHAPES:
+    shapes = _pick_shapes(args.shapes)
+    for shape in shapes:
         _, in_tree, out_tree = serialize_executable.serialize(_compile(run, shape))
         # The first executable deserialized for a shape ran ~6 % slower than later copies of
         # itself (three copies of one version, every step timed on each: x1.00, x0.94,
@@ -191,11 +242,13 @@ def run_ab(args) -> None:
 
     def timed(key, fn, *a):
         shape = ("decode",) if key == "decode" else key
-        if shape not in SHAPES or key not in run.seen:
+        if shape not in shapes or key not in run.seen:
             return orig(key, fn, *a)
         if shape not in checked:
             outs = [
-                _stacks_below_top(exe[name, shape](_copy(run.state), *a), run.plan)
+                _index_as_entries(
+                    _stacks_below_top(exe[name, shape](_copy(run.state), *a), run.plan)
+                )
                 for name, _ in versions
             ]
             for (name, _), o in zip(versions[1:], outs[1:], strict=True):
@@ -225,7 +278,7 @@ def run_ab(args) -> None:
     run.run()
     first = versions[0][0]
     print(f"{os.cpu_count()} CPUs, jax {jax.__version__}, B = {args.batch}")
-    for shape in SHAPES:
+    for shape in shapes:
         base = times.get((shape, first))
         for name, _ in versions:
             t = times.get((shape, name))
@@ -246,6 +299,7 @@ def main() -> None:
     d.add_argument("out")
     r = sub.add_parser("run", help="replay the trace alternating the versions")
     r.add_argument("versions", nargs="+", help="NAME=FILE from dump, the first is the base")
+    r.add_argument("--shapes", default=None, help="e.g. decode,admit-1-4096 (default: all)")
     args = ap.parse_args()
     if args.cmd == "dump":
         dump(args)
