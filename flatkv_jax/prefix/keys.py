@@ -469,9 +469,9 @@ def _chain_run(
     if tot.shape[0] < _PLANAR_CHAIN_ROWS:
         s, (heads, gs) = jax.lax.scan(step, s0, xs)
     else:
-        # The words as four [B] arrays: the step is one elementwise fusion, the outputs one
-        # [B, 8] slice per block (measured, 32 blocks: B = 4 115 -> 75 us, B = 8 265 -> 116;
-        # below 4 rows XLA:CPU runs the stacked loop as one call, which is faster still).
+        # The words as four [B] arrays, the outputs one [B, 8] slice per block (measured
+        # alone, 32 blocks: B = 4 115 -> 75 us, B = 8 265 -> 116; below 4 rows XLA:CPU runs
+        # the stacked loop as one call, which is faster still).
         ck = tuple(sub.chain[:, i] for i in range(LANES))
         fk = tuple(sub.final[:, i] for i in range(LANES))
 
@@ -566,17 +566,13 @@ def _block_sums(sub: Subkeys, tokens: jax.Array, pos: jax.Array, mask: jax.Array
     b, length = tokens.shape
     n, per = length // CHAIN_TOKENS, CHAIN_TOKENS // u
     terms = tuple(w.reshape(b, n, per, u) for w in _term_lanes(sub.term, tokens, pos, mask))
-    return jnp.cumsum(_sum_words(terms, 3), axis=2, dtype=_U32)
-
-
-def _sum_words(words: tuple, axis: int) -> jax.Array:
-    """The four word arrays summed (mod 2**32) over ``axis`` in one variadic reduction
-    (see :func:`_block_sums`), stacked last: ``uint32[..., LANES]``."""
-    zero = (_U32(0),) * LANES
     sums = jax.lax.reduce(
-        words, zero, lambda x, y: tuple(p + q for p, q in zip(x, y, strict=True)), (axis,)
+        terms,
+        (_U32(0),) * LANES,
+        lambda x, y: tuple(p + q for p, q in zip(x, y, strict=True)),
+        (3,),
     )
-    return jnp.stack(sums, axis=-1)
+    return jnp.cumsum(jnp.stack(sums, axis=-1), axis=2, dtype=_U32)
 
 
 def chain_state(ph: PromptHash, ends: jax.Array) -> jax.Array:
@@ -605,8 +601,10 @@ def extend_chain(
 ) -> tuple[jax.Array, jax.Array]:
     """Continues chain states over newly accepted tokens (the coordinator's publish path).
 
-    Cost: ``T`` token terms per row, one finishing mix per returned end (``T / unit + 1``),
-    and one chain step per block boundary the ``T`` positions can cross (unrolled: ``T <= 7 *
+    Cost: ``T`` token terms per row (with ``unit > 1`` and ``T > 1``, those of the positions
+    from the chain block at or before ``start``, at most ``CHAIN_TOKENS - 1`` more, summed a
+    unit at a time), one finishing mix per returned end (``T / unit + 1``), and one chain
+    step per block boundary the ``T`` positions can cross (unrolled: ``T <= 7 *
     CHAIN_TOKENS``).
 
     Args:
