@@ -670,17 +670,9 @@ def extend_chain(
         tot = jnp.take_along_axis(acc, last[:, :, None], axis=1)
         bounds = (q0[:, None] + rr + 1) * c
         heads, g = _chain_run(sub, s0, tot, bounds, bounds <= end[:, None])
-        if unit == 1:
-            acc_at, seg_at, ends = acc, seg, pos + 1
-        else:
-            # The ends e_j and the token index each one closes (clipped: junk beyond T).
-            n = t // unit + 1
-            ends = (start[:, None] // unit + 1 + jnp.arange(n, dtype=jnp.int32)[None, :]) * unit
-            at = jnp.clip(ends - start[:, None] - 1, 0, t - 1)
-            acc_at = jnp.take_along_axis(acc, at[:, :, None], axis=1)
-            seg_at = jnp.take_along_axis(seg, at, axis=1)
-        g_at = jnp.take_along_axis(g, seg_at[:, :, None], axis=1)
-        lanes = _finish(sub, g_at, acc_at, ends)
+        # unit == 1 here (several tokens at a coarser unit take _extend_by_units): every end.
+        g_at = jnp.take_along_axis(g, seg[:, :, None], axis=1)
+        lanes = _finish(sub, g_at, acc, pos + 1)
         s_new = jnp.take_along_axis(heads, (end // c - q0)[:, None, None], axis=1)[:, 0]
     a_last = jnp.take_along_axis(acc, jnp.clip(count - 1, 0, t - 1)[:, None, None], axis=1)[:, 0]
     a_new = jnp.where((count > 0)[:, None], a_last, a0)

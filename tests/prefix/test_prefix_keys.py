@@ -447,7 +447,7 @@ def test_extend_by_units_gives_the_per_token_lanes_and_state(rows):
     block's start and sums whole units (``_extend_by_units``); with ``unit = 1`` it sums
     token by token: the two must give the same lanes at every unit end the tokens reach and
     the same chain state, for random starts (unaligned, at block ends), counts (0, partial,
-    full) and widths, below and at the row count whose chain scan keeps the words apart."""
+    full) and widths, below and above the row count whose chain scan keeps the words apart."""
     rng = np.random.default_rng(rows)
     n = 1400
     t = rng.integers(0, 50_000, size=(rows, n)).astype(np.int32)
