@@ -162,9 +162,10 @@ def _rotl(x: jax.Array, r: int) -> jax.Array:
 _LOOP_MIN_WORDS = 128
 #: Rounds per loop iteration.
 _LOOP_ROUNDS = 2
-#: Chains of at least this many rows run their scan on the four words as separate arrays
-#: (see _chain_run).
-_PLANAR_CHAIN_ROWS = 4
+#: Chains of at least this many rows run one scan per row (see _chain_run) ...
+_ROW_SCAN_ROWS = 4
+#: ... and from this many on one scan on the four words as separate arrays.
+_PLANAR_CHAIN_ROWS = 9
 
 
 def _round(a, b, c, d, rc):
@@ -466,12 +467,29 @@ def _chain_run(
         jnp.swapaxes(bounds, 0, 1),
         None if done is None else jnp.swapaxes(done, 0, 1),
     )
-    if tot.shape[0] < _PLANAR_CHAIN_ROWS:
+    b = tot.shape[0]
+    if _ROW_SCAN_ROWS <= b < _PLANAR_CHAIN_ROWS:
+        # XLA:CPU compiles a loop this small (up to 3 rows) into one kernel (its small-while-
+        # loop hoisting) but runs a 4-row one op by op: one scan per row, each one kernel
+        # (chain_lanes alone, 32 blocks: B = 4 106 -> 66 us, B = 8 200 -> 130).
+        parts = [
+            _chain_run(
+                jax.tree_util.tree_map(lambda x, i=i: x[i : i + 1], sub),
+                s0[i : i + 1],
+                tot[i : i + 1],
+                bounds[i : i + 1],
+                None if done is None else done[i : i + 1],
+            )
+            for i in range(b)
+        ]
+        return tuple(jnp.concatenate(p, axis=0) for p in zip(*parts, strict=True))
+    if b < _PLANAR_CHAIN_ROWS:
         s, (heads, gs) = jax.lax.scan(step, s0, xs)
     else:
-        # The words as four [B] arrays, the outputs one [B, 8] slice per block (measured
-        # alone, 32 blocks: B = 4 115 -> 75 us, B = 8 265 -> 116; below 4 rows XLA:CPU runs
-        # the stacked loop as one call, which is faster still).
+        # The words as four [B] arrays, the outputs one [B, 8] slice per block: one loop
+        # op by op, as fast from 9 rows as a scan per row (chain_lanes alone, 32 blocks,
+        # B = 16: 213 against 209 us) and one loop to compile, not B (the stacked scan:
+        # B = 8 265 us against 116).
         ck = tuple(sub.chain[:, i] for i in range(LANES))
         fk = tuple(sub.final[:, i] for i in range(LANES))
 

@@ -441,20 +441,22 @@ def test_stored_subkeys_and_add_terms_continue_the_chain_as_extend_chain(rng):
     assert checked >= 8
 
 
-@pytest.mark.parametrize("rows", [2, 5])
+@pytest.mark.parametrize("rows", [2, 5, 10])
 def test_extend_by_units_gives_the_per_token_lanes_and_state(rows):
     """``extend_chain`` with ``unit > 1`` and several tokens lays the tokens from their chain
     block's start and sums whole units (``_extend_by_units``); with ``unit = 1`` it sums
     token by token: the two must give the same lanes at every unit end the tokens reach and
     the same chain state, for random starts (unaligned, at block ends), counts (0, partial,
-    full) and widths, below and above the row count whose chain scan keeps the words apart."""
+    full) and widths; 1,100 tokens span more than 8 chain blocks (a scan, not unrolled): its
+    stacked (2 rows), per-row (5) and four-word (10) forms."""
+    assert K._ROW_SCAN_ROWS <= 5 < K._PLANAR_CHAIN_ROWS <= 10
     rng = np.random.default_rng(rows)
-    n = 1400
+    n = 2600
     t = rng.integers(0, 50_000, size=(rows, n)).astype(np.int32)
     ns = jnp.asarray(rng.integers(0, 9, size=(rows, 2)), jnp.uint32)
     ph = chain_lanes(jnp.asarray(t), jnp.full((rows,), n, jnp.int32), ns, seed=SEED, unit=1)
     checked = 0
-    for unit, width in ((4, 130), (64, 256), (128, 700), (256, 300), (64, 2)):
+    for unit, width in ((4, 130), (64, 256), (128, 700), (256, 300), (64, 2), (128, 1100)):
         starts = rng.integers(0, n - width, size=rows).astype(np.int32)
         starts[0] = 2 * K.CHAIN_TOKENS  # a chain-block start
         starts[-1] = 3 * K.CHAIN_TOKENS - 1  # one short of a block end
@@ -478,12 +480,12 @@ def test_extend_by_units_gives_the_per_token_lanes_and_state(rows):
     assert checked > 10 * rows
 
 
-def test_chain_lanes_of_a_batch_are_each_prompts_own():
-    """The chain scan runs on the four words as separate arrays from ``_PLANAR_CHAIN_ROWS``
-    rows up, stacked below: a batch's lanes, block sums and chain keys are those of each
-    prompt hashed alone (one row)."""
+@pytest.mark.parametrize("rows", [K._ROW_SCAN_ROWS + 1, K._PLANAR_CHAIN_ROWS + 1])
+def test_chain_lanes_of_a_batch_are_each_prompts_own(rows):
+    """The chain scan runs one scan per row from ``_ROW_SCAN_ROWS`` rows up and on the four
+    words as separate arrays from ``_PLANAR_CHAIN_ROWS`` up (stacked below both): a batch's
+    lanes, block sums and chain keys are those of each prompt hashed alone (one row)."""
     rng = np.random.default_rng(3)
-    rows = K._PLANAR_CHAIN_ROWS + 1
     t = rng.integers(0, 50_000, size=(rows, 1100)).astype(np.int32)
     lengths = jnp.asarray(rng.integers(1, 1100, size=rows), jnp.int32)
     ns = jnp.asarray(rng.integers(0, 9, size=(rows, 2)), jnp.uint32)
