@@ -233,7 +233,11 @@ def _publish(
         c = jax.tree.map(lambda x: x[jnp.clip(sel, 0, n - 1)], offered)
         c = c._replace(valid=c.valid & (sel < n))
         keys = keys_lib.keys_from_lanes(c.sums[:, None, :], c.ends[:, None], c.namespace)[:, 0]
-        index, taken, _, present = index_lib.insert_in(index, c.group, keys, c.page, c.valid)
+        # One row's blocks are distinct (each key covers another length, each table entry
+        # holds another page): no duplicate rules. Several rows may repeat each other's.
+        index, taken, _, present = index_lib.insert_in(
+            index, c.group, keys, c.page, c.valid, distinct=s.shape[0] == 1
+        )
         pools = incref(pools, pool_layout(plan), c.group, jnp.where(taken, c.page, -1))
         # Not taken and not already this page's key: another page holds it (from before this
         # chunk, or an earlier row of this chunk took it), or its bucket pair is full.

@@ -428,6 +428,34 @@ def test_publishing_in_chunks_gives_the_single_pass_result(monkeypatch):
     assert_same(snapshot(whole.state), snapshot(chunked.state))
 
 
+def test_a_one_row_retire_publishes_as_a_wider_batch_does():
+    """A retire batch of one row inserts its blocks without the index's duplicate rules (one
+    request's blocks are distinct: ``insert_in(distinct=True)``); a wider batch checks them.
+    Two requests computing the same prompt, retired one at a time (the second shares the
+    pages the first published), then decode steps, leave the same state either way."""
+    toks = [*SYS[:CHUNK], 1, 2, 3]
+
+    def run(size):
+        d = PrefixDriver()
+        ra, rb = d.admit_tokens(toks), d.admit_tokens(toks)
+        hs = [host.handles(r, 1)[0] for r in (ra, rb)]
+        for h, r in zip(hs, (ra, rb), strict=True):
+            res = d._run(ops.retire, host.retire_batch(d.plan, [(h, int(r.count[0]))], size))
+            assert host.statuses(res, 1) == [Status.OK]
+        for i in range(6):
+            for h in hs:
+                d._run(ops.extend, host.extend_batch(d.plan, [(h, 1)], size, tokens=[[i]]))
+                res = d._run(ops.retire, host.retire_batch(d.plan, [(h, 1)], size))
+                assert host.statuses(res, 1) == [Status.OK]
+        return d, hs
+
+    one, (a, b) = run(1)
+    assert one.pages_of(b)["c4_kv"][0] == one.pages_of(a)["c4_kv"][0]
+    wide, _ = run(None)
+    assert wide.plan.limits.max_requests > 1
+    assert_same(snapshot(one.state), snapshot(wide.state))
+
+
 def test_reclaim_max_count_sizes_the_chunks_not_the_result():
     """``reclaim(max_count=...)`` only sizes the sweep's chunks (a prefill drops many window
     columns per row): the state is the one of the default decode-sized chunks."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -396,3 +398,38 @@ def test_index_set_equals_one_index_per_group():
         I.insert_in(ixs, 0, shared[:3], jnp.ones(2, jnp.int32))
     with pytest.raises(ValueError, match="pages are int32"):
         I.remove_in(ixs, 0, jnp.ones((2, 2), jnp.int32))
+
+
+def test_insert_in_distinct_gives_the_checked_result_when_rows_are_distinct():
+    """``insert_in(distinct=True)`` (one request's blocks: no two rows share a group and a key
+    or a group and a page) skips the duplicate rules: on such rows, some keys and pages
+    already indexed and some buckets overflowing, it gives the checked call's index, taken,
+    held and present."""
+    rng = np.random.default_rng(11)
+    pool = (40, 30, 70)
+    ixs = I.pack(
+        tuple(I.create_index(p, num_buckets=b) for p, b in zip(pool, (2, 4, 8), strict=True))
+    )
+    shared = _keys(120, seed=17)
+    plain = jax.jit(I.insert_in)
+    promised = jax.jit(functools.partial(I.insert_in, distinct=True))
+    checked = 0
+    for _ in range(5):
+        n = 48
+        group = np.sort(rng.integers(0, len(pool), n)).astype(np.int32)
+        # Distinct keys and, per group, distinct pages (some already indexed: earlier trials).
+        keys = shared[rng.permutation(120)[:n]]
+        pages = np.zeros(n, np.int32)
+        for g in range(len(pool)):
+            mine = np.flatnonzero(group == g)
+            pages[mine] = rng.permutation(np.arange(1, pool[g] - 1))[: mine.size]
+        valid = jnp.asarray(rng.random(n) < 0.9)
+        args = (jnp.asarray(group), keys, jnp.asarray(pages), valid)
+        a, *ra = plain(ixs, *args)
+        b, *rb = promised(ixs, *args)
+        _same_index(a, b)
+        for x, y in zip(ra, rb, strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        checked += int(np.asarray(ra[0]).sum()) > 0 and int((~np.asarray(ra[0])).sum()) > 0
+        ixs = a
+    assert checked >= 3
