@@ -222,7 +222,8 @@ def sweep(
         # With `held`, decref sorts only when some page is listed twice (two requests of
         # the batch share it), not whenever a dropped page is also indexed (every step of a
         # decode batch drops published window pages).
-        pools, _, left, repeated = decref_left(pools, layout, gq, pages, held)
+        # One row's entries hold distinct pages (a page holds one block): no repeat check.
+        pools, _, left, repeated = decref_left(pools, layout, gq, pages, held, distinct=b == 1)
         # Left with only the index's reference: cached-only now.
         now_cached = held & (pages > 0) & (left == 1)
         # Every pool's pushes in one batched release; most chunks push nothing at all: skip

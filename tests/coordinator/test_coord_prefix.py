@@ -428,11 +428,13 @@ def test_publishing_in_chunks_gives_the_single_pass_result(monkeypatch):
     assert_same(snapshot(whole.state), snapshot(chunked.state))
 
 
-def test_a_one_row_retire_publishes_as_a_wider_batch_does():
-    """A retire batch of one row inserts its blocks without the index's duplicate rules (one
-    request's blocks are distinct: ``insert_in(distinct=True)``); a wider batch checks them.
-    Two requests computing the same prompt, retired one at a time (the second shares the
-    pages the first published), then decode steps, leave the same state either way."""
+def test_one_row_batches_publish_reclaim_and_release_as_wider_batches_do():
+    """A batch of one row inserts its blocks without the index's duplicate rules and drops
+    table entries without the repeated-page check (one request's blocks and pages are
+    distinct: ``insert_in(distinct=True)``, ``decref_left(distinct=True)``); a wider batch
+    checks both. Two requests computing the same prompt, retired one at a time (the second
+    shares the pages the first published), decode steps, reclaims (pages shared by both
+    requests become holes in one table) and a release leave the same state either way."""
     toks = [*SYS[:CHUNK], 1, 2, 3]
 
     def run(size):
@@ -447,11 +449,18 @@ def test_a_one_row_retire_publishes_as_a_wider_batch_does():
                 d._run(ops.extend, host.extend_batch(d.plan, [(h, 1)], size, tokens=[[i]]))
                 res = d._run(ops.retire, host.retire_batch(d.plan, [(h, 1)], size))
                 assert host.statuses(res, 1) == [Status.OK]
-        return d, hs
+        for h in hs:
+            rec = d._run(ops.reclaim, host.handle_batch(d.plan, [h], size), max_count=CHUNK)
+            assert host.statuses(rec, 1) == [Status.OK]
+            assert int(np.asarray(rec.holes).sum()) > 0
+        # The second request shares the first one's published pages (one indexed copy).
+        assert d.pages_of(hs[1])["c4_kv"][0] == d.pages_of(hs[0])["c4_kv"][0]
+        res = d._run(ops.release, host.release_batch(d.plan, [(hs[0], FINISH)], size))
+        assert host.statuses(res, 1) == [Status.OK]
+        return d
 
-    one, (a, b) = run(1)
-    assert one.pages_of(b)["c4_kv"][0] == one.pages_of(a)["c4_kv"][0]
-    wide, _ = run(None)
+    one = run(1)
+    wide = run(None)
     assert wide.plan.limits.max_requests > 1
     assert_same(snapshot(one.state), snapshot(wide.state))
 
