@@ -429,34 +429,48 @@ def test_publishing_in_chunks_gives_the_single_pass_result(monkeypatch):
 
 
 def test_one_row_batches_publish_reclaim_and_release_as_wider_batches_do():
-    """A batch of one row inserts its blocks without the index's duplicate rules and drops
-    table entries without the repeated-page check (one request's blocks and pages are
-    distinct: ``insert_in(distinct=True)``, ``decref_left(distinct=True)``); a wider batch
-    checks both. Two requests computing the same prompt, retired one at a time (the second
-    shares the pages the first published), decode steps, reclaims (pages shared by both
-    requests become holes in one table) and a release leave the same state either way."""
+    """A batch of one row skips the batch rules that only rows of several requests can need
+    (one request's blocks and pages are distinct): the index's duplicate rules
+    (``insert_in(distinct=True)``) and the repeated-page check of a sweep
+    (``decref_left(distinct=True)``); a wider batch checks them. Two requests
+    computing the same prompt, retired one at a time (the second shares the pages the first
+    published), reclaimed and released (their pages cached-only), then a third that hits
+    them (pinned and taken out of the LRU), its decode steps and reclaim leave the same state
+    either way."""
     toks = [*SYS[:CHUNK], 1, 2, 3]
+
+    def admit(d, size):
+        batch = host.admit_batch(d.plan, [(len(toks), CHUNK)], size, tokens=[toks])
+        res = d._run(ops.admit, batch)
+        assert host.statuses(res, 1) == [Status.OK]
+        return host.handles(res, 1)[0], res
 
     def run(size):
         d = PrefixDriver()
-        ra, rb = d.admit_tokens(toks), d.admit_tokens(toks)
-        hs = [host.handles(r, 1)[0] for r in (ra, rb)]
-        for h, r in zip(hs, (ra, rb), strict=True):
+        (a, ra), (b, rb) = admit(d, size), admit(d, size)
+        for h, r in ((a, ra), (b, rb)):
             res = d._run(ops.retire, host.retire_batch(d.plan, [(h, int(r.count[0]))], size))
             assert host.statuses(res, 1) == [Status.OK]
-        for i in range(6):
-            for h in hs:
-                d._run(ops.extend, host.extend_batch(d.plan, [(h, 1)], size, tokens=[[i]]))
-                res = d._run(ops.retire, host.retire_batch(d.plan, [(h, 1)], size))
-                assert host.statuses(res, 1) == [Status.OK]
-        for h in hs:
+        # The second request shares the first one's published pages (one indexed copy).
+        assert d.pages_of(b)["c4_kv"][0] == d.pages_of(a)["c4_kv"][0]
+        for h in (a, b):
             rec = d._run(ops.reclaim, host.handle_batch(d.plan, [h], size), max_count=CHUNK)
             assert host.statuses(rec, 1) == [Status.OK]
-            assert int(np.asarray(rec.holes).sum()) > 0
-        # The second request shares the first one's published pages (one indexed copy).
-        assert d.pages_of(hs[1])["c4_kv"][0] == d.pages_of(hs[0])["c4_kv"][0]
-        res = d._run(ops.release, host.release_batch(d.plan, [(hs[0], FINISH)], size))
+            res = d._run(ops.release, host.release_batch(d.plan, [(h, FINISH)], size))
+            assert host.statuses(res, 1) == [Status.OK]
+        cached = int(np.asarray(d.state.lru.count).sum())
+        assert cached > 0  # the published prompt is cached-only now
+        c, rc = admit(d, size)
+        assert int(rc.hit[0]) >= CHUNK  # its pages leave the LRU (pinned, then taken)
+        assert int(np.asarray(d.state.lru.count).sum()) < cached
+        res = d._run(ops.retire, host.retire_batch(d.plan, [(c, int(rc.count[0]))], size))
         assert host.statuses(res, 1) == [Status.OK]
+        for i in range(6):
+            d._run(ops.extend, host.extend_batch(d.plan, [(c, 1)], size, tokens=[[i]]))
+            res = d._run(ops.retire, host.retire_batch(d.plan, [(c, 1)], size))
+            assert host.statuses(res, 1) == [Status.OK]
+        rec = d._run(ops.reclaim, host.handle_batch(d.plan, [c], size), max_count=CHUNK)
+        assert host.statuses(rec, 1) == [Status.OK]
         return d
 
     one = run(1)
