@@ -462,11 +462,6 @@ def _chain_run(
             gs.append(g)
         heads.append(s)
         return jnp.stack(heads, 1), (jnp.stack(gs, 1) if gs else tot)
-    xs = (
-        jnp.swapaxes(tot, 0, 1),
-        jnp.swapaxes(bounds, 0, 1),
-        None if done is None else jnp.swapaxes(done, 0, 1),
-    )
     b = tot.shape[0]
     if _ROW_SCAN_ROWS <= b < _PLANAR_CHAIN_ROWS:
         # XLA:CPU compiles a loop this small (up to 3 rows) into one kernel (its small-while-
@@ -483,6 +478,11 @@ def _chain_run(
             for i in range(b)
         ]
         return tuple(jnp.concatenate(p, axis=0) for p in zip(*parts, strict=True))
+    xs = (
+        jnp.swapaxes(tot, 0, 1),
+        jnp.swapaxes(bounds, 0, 1),
+        None if done is None else jnp.swapaxes(done, 0, 1),
+    )
     if b < _PLANAR_CHAIN_ROWS:
         s, (heads, gs) = jax.lax.scan(step, s0, xs)
     else:
