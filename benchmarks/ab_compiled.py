@@ -308,7 +308,9 @@ def main() -> None:
     d.add_argument("out")
     r = sub.add_parser("run", help="replay the trace alternating the versions")
     r.add_argument("versions", nargs="+", help="NAME=FILE from dump, the first is the base")
-    r.add_argument("--shapes", default=None, help="e.g. decode,admit-1-4096 (default: all)")
+    r.add_argument(
+        "--shapes", default=None, help="e.g. decode,admit-8-4096 (default: the six of SHAPES)"
+    )
     args = ap.parse_args()
     if args.cmd == "dump":
         dump(args)
