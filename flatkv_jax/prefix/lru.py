@@ -501,29 +501,42 @@ def cache_in(
 
 
 def _compact_overflowing(lrus: CachedLRUSet, n_push: jax.Array) -> CachedLRUSet:
-    """:func:`compact` of every pool whose push of ``n_push[g]`` would overflow its ring."""
-    for g in range(lrus.groups):
-        over = lrus.tail[g] - lrus.head[g] + n_push[g] > jnp.uint32(lrus.ring_sizes[g])
-        lrus = jax.lax.cond(over, lambda x, g=g: _compact_pool(x, g), lambda x: x, lrus)
-    return lrus
+    """:func:`compact` of every pool whose push of ``n_push[g]`` would overflow its ring.
+
+    One loop over the pools, not one copy of the compaction per pool: XLA:CPU charges every
+    call of a program for the code it holds, taken or not (measured: ~300 fusions of six
+    unrolled compactions cost a B = 256 decode step ~40 us, docs/benchmarks.md), and this
+    path runs only when a ring fills up."""
+    sizes = jnp.asarray(lrus.ring_sizes, jnp.uint32)
+    over = lrus.tail - lrus.head + n_push > sizes
+    return jax.lax.fori_loop(0, lrus.groups, lambda g, x: _compact_pool(x, g, active=over[g]), lrus)
 
 
-def _compact_pool(lrus: CachedLRUSet, g: int, chunk: int = COMPACT_CHUNK) -> CachedLRUSet:
-    """:func:`compact` of pool ``g`` (static) of the set, in place."""
-    r, r0, p0 = lrus.ring_sizes[g], lrus.ring_offset[g], lrus.page_offset[g]
-    chunk = min(r, chunk)
+def _compact_pool(
+    lrus: CachedLRUSet, g, chunk: int = COMPACT_CHUNK, active: jax.Array | bool = True
+) -> CachedLRUSet:
+    """:func:`compact` of pool ``g`` (an int, or a traced one) of the set, in place, if
+    ``active`` (else nothing changes: no entry is read or moved)."""
+    r = jnp.asarray(lrus.ring_sizes, jnp.uint32)[g]
+    r0 = jnp.asarray(lrus.ring_offset, jnp.int32)[g]
+    p0 = jnp.asarray(lrus.page_offset, jnp.int32)[g]
+    # Static chunk: the largest ring's (a smaller ring's pass reads past its live entries,
+    # masked by `pos < n`).
+    chunk = min(max(lrus.ring_sizes), chunk)
     j = jnp.arange(chunk, dtype=jnp.uint32)
-    head, n = lrus.head[g], lrus.tail[g] - lrus.head[g]
+    head = lrus.head[g]
+    n = jnp.where(active, lrus.tail[g] - head, jnp.uint32(0))
     n_pages = lrus.cached.shape[0]
+    mask = r - jnp.uint32(1)
 
     def body(carry):
         i, kept, ring, seq_of_page = carry
         pos = i + j
         seq_at = head + pos
-        page = ring[r0 + (seq_at & jnp.uint32(r - 1)).astype(jnp.int32)]
+        page = ring[r0 + (seq_at & mask).astype(jnp.int32)]
         live = (pos < n) & lrus.cached[p0 + page] & (seq_of_page[p0 + page] == seq_at)
         seq = head + kept + jnp.cumsum(live.astype(jnp.uint32), dtype=jnp.uint32) - 1
-        slot = jnp.where(live, r0 + (seq & jnp.uint32(r - 1)).astype(jnp.int32), ring.shape[0])
+        slot = jnp.where(live, r0 + (seq & mask).astype(jnp.int32), ring.shape[0])
         return (
             i + jnp.uint32(chunk),
             kept + jnp.sum(live, dtype=jnp.uint32),
@@ -536,9 +549,8 @@ def _compact_pool(lrus: CachedLRUSet, g: int, chunk: int = COMPACT_CHUNK) -> Cac
         body,
         (jnp.zeros((), jnp.uint32), jnp.zeros((), jnp.uint32), lrus.ring, lrus.seq_of_page),
     )
-    return dataclasses.replace(
-        lrus, ring=ring, seq_of_page=seq_of_page, tail=lrus.tail.at[g].set(head + kept)
-    )
+    tail = lrus.tail.at[g].set(jnp.where(active, head + kept, lrus.tail[g]))
+    return dataclasses.replace(lrus, ring=ring, seq_of_page=seq_of_page, tail=tail)
 
 
 def take_in(

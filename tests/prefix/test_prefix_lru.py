@@ -445,3 +445,18 @@ def test_evict_all_equals_one_evict_per_pool():
     assert pinned_some and evicted_more_than_64
     with pytest.raises(ValueError, match="one bound per pool"):
         L.evict_all(s, jnp.zeros(4, jnp.int32), max_pages=(1, 2))
+
+
+def test_a_push_holds_one_compaction_whatever_the_pool_count():
+    """Cost guard: the ring compaction (rare: a ring fills up) is one loop over the pools,
+    not a copy per pool; XLA:CPU charges every call for the code a program holds, run or
+    not. A push into six LRUs compiles to as many loops and conditionals as one into two."""
+
+    def counts(n_pools):
+        lrus = tuple(L.create_lru(12 + p, ring_size=32) for p in range(n_pools))
+        g = jnp.zeros((8,), jnp.int32)
+        pages = jnp.arange(1, 9, dtype=jnp.int32)
+        text = jax.jit(L.cache_groups).lower(lrus, g, pages, jnp.ones(8, bool)).compile().as_text()
+        return text.count(" while("), text.count(" conditional(")
+
+    assert counts(6) == counts(2)
