@@ -258,12 +258,13 @@ def _publish(
         )
         return pools, index, marks, tables
 
-    pools, index, marks, tables = jax.lax.fori_loop(
-        0,
-        ceil_div(total, k),
-        body,
-        (state.allocator, state.index, marks, state.table_buffer),
-    )
+    carry = (state.allocator, state.index, marks, state.table_buffer)
+    # One chunk holds every candidate (a decode step's 80, a one-row prefill's ~200): the
+    # chunk straight, no loop (ab_compiled: decode x0.975, one-row admissions x0.95).
+    if k >= n:
+        pools, index, marks, tables = body(0, carry)
+    else:
+        pools, index, marks, tables = jax.lax.fori_loop(0, ceil_div(total, k), body, carry)
     lru = dataclasses.replace(state.lru, cached=marks[0], count=marks[1])
     return replace(state, allocator=pools, index=index, lru=lru, table_buffer=tables)
 
