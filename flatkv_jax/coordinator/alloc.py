@@ -248,15 +248,20 @@ def sweep(
     return replace(state, allocator=pools, table_buffer=tables, lru=lru, index=index)
 
 
-def free_now(plan: CachePlan, state: CacheState, s: jax.Array, mask: jax.Array) -> CacheState:
+def free_now(
+    plan: CachePlan, state: CacheState, s: jax.Array, mask: jax.Array, chunk: int | None = None
+) -> CacheState:
     """Frees requests now: drop every table reference, reset the slot and bump its generation.
 
     Nothing is published here: every committed block was offered to the index by the
     ``retire`` that committed it (and is indexed, or shares the page that holds its key).
+    ``chunk`` (static): the sweep's entries per iteration (default :func:`release_chunk`);
+    the result is the same for any value.
     """
     b = s.shape[0]
     hi = state.hi[:, s]
-    state = sweep(plan, state, s, mask, jnp.zeros_like(hi), hi, -1, release_chunk(b))
+    chunk = release_chunk(b) if chunk is None else chunk
+    state = sweep(plan, state, s, mask, jnp.zeros_like(hi), hi, -1, chunk)
     zeros = jnp.zeros_like(hi)
     return replace(
         state,

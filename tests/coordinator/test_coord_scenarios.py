@@ -11,6 +11,7 @@ import pytest
 from coordinator_cases import ABORT, FINISH, PLAN, RETRACT, Driver, assert_same, make_plan, snapshot
 
 from flatkv_jax.coordinator import ReleaseBatch, audit, host, ops
+from flatkv_jax.coordinator.alloc import reclaim_chunk
 from flatkv_jax.coordinator.state import table
 from flatkv_jax.status import Status
 
@@ -219,6 +220,26 @@ def test_deferred_release_frees_only_after_retirement():
     assert st(r, 1) == [OK] and bool(r.released[0])
     assert d.all_free()
     assert st(d.retire((a, 0)), 1) == [STALE]
+
+
+def test_a_deferred_release_of_a_long_request_frees_every_page_in_several_chunks():
+    """The retire that frees a deferred release sweeps in a decode step's chunks
+    (``reclaim_chunk``): a request holding more table entries than one chunk is freed
+    whole, its pages back on the free stacks or cached, the audit clean after each op."""
+    d = Driver()
+    a = d.new(16)
+    d.retire((a, 16))
+    for _ in range(2):
+        d.extend((a, 16))
+        d.retire((a, 16))
+    d.extend((a, 15))  # 63 tokens, the last 15 in flight
+    entries = int(np.asarray(d.state.hi)[:, a[0]].sum())
+    assert entries > reclaim_chunk(d.plan, d.state.max_requests)
+    assert st(d.release((a, FINISH)), 1) == [Status.DEFERRED]
+    r = d.retire((a, 15))
+    assert st(r, 1) == [OK] and bool(r.released[0])
+    assert d.all_free()
+    assert st(d.reclaim(a), 1) == [STALE]
 
 
 def test_deferred_abort_frees_after_a_discarded_step():
