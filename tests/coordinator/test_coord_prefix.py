@@ -456,6 +456,7 @@ def test_one_row_batches_publish_reclaim_and_release_as_wider_batches_do():
         for h in (a, b):
             rec = d._run(ops.reclaim, host.handle_batch(d.plan, [h], size), max_count=CHUNK)
             assert host.statuses(rec, 1) == [Status.OK]
+            assert int(np.asarray(rec.holes).sum()) > 0  # window pages dropped
             res = d._run(ops.release, host.release_batch(d.plan, [(h, FINISH)], size))
             assert host.statuses(res, 1) == [Status.OK]
         cached = int(np.asarray(d.state.lru.count).sum())
