@@ -61,7 +61,8 @@ SCOPES = (
     (
         "flatkv_jax.coordinator.ops",
         (
-            *("extend_fn", "retire_fn", "reclaim_fn", "admit_fn", "release_fn"),
+            *("extend_fn", "retire_fn", "reclaim_fn", "retire_reclaim_fn", "admit_fn"),
+            "release_fn",
             *("_match_admission", "_record_prefix_admission", "_start_requests"),
         ),
     ),

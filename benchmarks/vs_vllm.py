@@ -90,7 +90,6 @@ from flatkv_jax.compile_options import COORDINATOR_COMPILER_OPTIONS
 from flatkv_jax.coordinator import (
     AdmitBatch,
     ExtendBatch,
-    HandleBatch,
     ReleaseBatch,
     ReleaseMode,
     RetireBatch,
@@ -407,8 +406,11 @@ class Run:
             ones = jnp.ones_like(slot)
             eb = ExtendBatch(v, slot, gen, ones, tok[:, None])
             state, er = ops.extend_fn(plan, state, eb, max_count=1)
-            state, rr = ops.retire_fn(plan, state, RetireBatch(v, slot, gen, ones), max_count=1)
-            state, _ = ops.reclaim_fn(plan, state, HandleBatch(v, slot, gen))
+            # Retire, then reclaim of the committed rows, in one sweep (ops.retire_reclaim_fn):
+            # two calls would hold a second sweep, for deferred releases this loop never has.
+            state, rr = ops.retire_reclaim_fn(
+                plan, state, RetireBatch(v, slot, gen, ones), max_count=1
+            )
             # One device -> host transfer back as well (two arrays cost ~10 us more per call).
             return state, jnp.stack([er.status, rr.status])
 
@@ -422,13 +424,12 @@ class Run:
             mc = min(ab.tokens.shape[1], plan.limits.max_count)
             state, res = ops.admit_fn(plan, state, ab, max_count=mc)
             ok = res.status == Status.OK
-            rb = RetireBatch(ok & (res.count > 0), res.slot, res.generation, res.count)
-            state, _ = ops.retire_fn(plan, state, rb, max_count=mc)
+            # Every admitted row has a step (h <= prompt_len - 1), so the retire's committed
+            # rows are the admitted ones, which the reclaim of retire_reclaim_fn then covers.
             # The prefill drops up to `mc / B + 1` window columns per group and row: sweep
             # them in chunks sized for that, not a decode step's 64 entries.
-            state, _ = ops.reclaim_fn(
-                plan, state, HandleBatch(ok, res.slot, res.generation), max_count=mc
-            )
+            rb = RetireBatch(ok & (res.count > 0), res.slot, res.generation, res.count)
+            state, _ = ops.retire_reclaim_fn(plan, state, rb, max_count=mc, reclaim_max_count=mc)
             return state, jnp.stack([res.status, res.slot, res.generation, res.hit])
 
         def release(state, relb):

@@ -5,9 +5,10 @@
   :class:`RewindBatch`, :class:`HandleBatch`, :class:`ReleaseBatch`, :class:`ReleaseMode`
   (:mod:`.batches`)
 - operations: ``admit``, ``extend``, ``retire``, ``rewind``, ``reclaim``, ``release`` (jitted,
-  state donated) and their plain ``*_fn`` forms for composing inside your own jit (:mod:`.ops`)
+  state donated) and their plain ``*_fn`` forms for composing inside your own jit; also
+  ``retire_reclaim`` (a decode step's retire and reclaim in one sweep) (:mod:`.ops`)
 - results: :class:`StepResult`, :class:`RetireResult`, :class:`ReclaimResult`,
-  :class:`StatusResult` (:mod:`.results`)
+  :class:`RetireReclaimResult`, :class:`StatusResult` (:mod:`.results`)
 - step metadata: :class:`StepMetadata`, ``step_metadata`` / :func:`step_metadata_fn`
   (:mod:`.metadata`)
 - host helpers: :mod:`.host` (batch builders); audit: :mod:`.audit` (page counts, invariants)
@@ -43,10 +44,18 @@ from flatkv_jax.coordinator.ops import (
     release_fn,
     retire,
     retire_fn,
+    retire_reclaim,
+    retire_reclaim_fn,
     rewind,
     rewind_fn,
 )
-from flatkv_jax.coordinator.results import ReclaimResult, RetireResult, StatusResult, StepResult
+from flatkv_jax.coordinator.results import (
+    ReclaimResult,
+    RetireReclaimResult,
+    RetireResult,
+    StatusResult,
+    StepResult,
+)
 from flatkv_jax.coordinator.sleep import (
     Sleeping,
     SleepMode,
@@ -68,6 +77,7 @@ __all__ = [
     "ReleaseBatch",
     "ReleaseMode",
     "RetireBatch",
+    "RetireReclaimResult",
     "RetireResult",
     "RewindBatch",
     "SleepMode",
@@ -90,6 +100,8 @@ __all__ = [
     "repair_fn",
     "retire",
     "retire_fn",
+    "retire_reclaim",
+    "retire_reclaim_fn",
     "rewind",
     "rewind_fn",
     "sleep",

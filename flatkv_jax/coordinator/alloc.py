@@ -176,16 +176,20 @@ def sweep(
     mask: jax.Array,
     start: jax.Array,
     end: jax.Array,
-    fill: int,
+    fill: int | jax.Array,
     chunk: int,
+    *,
+    one_request: bool | None = None,
 ) -> CacheState:
     """For every group ``g`` and row ``i`` of ``mask``: sets table entries
-    ``[start[g, i], end[g, i])`` of request ``s[i]`` to ``fill`` and decrefs the pages they
-    held: a page falling to 0 is freed, a page left with only the index's reference becomes
-    cached-only (pushed onto its pool's LRU). Entries are visited per group, rows in batch
-    order, each row from its highest slot down, so a row's pages become cached-only tail first
-    (the oracle's tie order). Cost O(entries changed), in chunks of ``chunk`` entries across
-    all groups."""
+    ``[start[g, i], end[g, i])`` of request ``s[i]`` to ``fill`` (an int, or ``int32[B]``: one
+    value per row) and decrefs the pages they held: a page falling to 0 is freed, a page left
+    with only the index's reference becomes cached-only (pushed onto its pool's LRU). Entries
+    are visited per group, rows in batch order, each row from its highest slot down, so a
+    row's pages become cached-only tail first (the oracle's tie order). Cost O(entries
+    changed), in chunks of ``chunk`` entries across all groups. ``one_request`` (static):
+    every segment belongs to one request, so no page is listed twice (default: ``s`` has one
+    row)."""
     lay = state_layout(plan)
     layout = pool_layout(plan)
     n_g, b = start.shape
@@ -200,6 +204,9 @@ def sweep(
     # Table index of flat entry e is last[q] - e: each segment is walked from its end down.
     last = (row_base + start.reshape(-1) + length - 1) + excl
     size = table_size(plan)
+    one = b == 1 if one_request is None else one_request
+    # One fill per flat segment when rows differ (a release's -1 beside a reclaim's holes).
+    fills = None if isinstance(fill, int) else jnp.broadcast_to(fill, (n_g, b)).reshape(-1)
 
     def body(i, carry):
         # The index is only read, but rides in the carry: a loop-invariant operand that is
@@ -212,7 +219,7 @@ def sweep(
         old = tables[jnp.where(on, idx, 0)]
         # The written value depends on `old` (it never equals INT32_MIN), which pins the gather
         # before the scatter; a gather used only after it makes XLA copy the whole buffer.
-        value = jnp.where(old == jnp.iinfo(_I32).min, old, fill)
+        value = jnp.where(old == jnp.iinfo(_I32).min, old, fill if fills is None else fills[q])
         tables = tables.at[jnp.where(on, idx, size)].set(value, mode="drop")
         pages = jnp.where(on, old, -1)
         gq = group[q]
@@ -223,7 +230,7 @@ def sweep(
         # the batch share it), not whenever a dropped page is also indexed (every step of a
         # decode batch drops published window pages).
         # One row's entries hold distinct pages (a page holds one block): no repeat check.
-        pools, _, left, repeated = decref_left(pools, layout, gq, pages, held, distinct=b == 1)
+        pools, _, left, repeated = decref_left(pools, layout, gq, pages, held, distinct=one)
         # Left with only the index's reference: cached-only now.
         now_cached = held & (pages > 0) & (left == 1)
         # Every pool's pushes in one batched release; most chunks push nothing at all: skip
@@ -262,7 +269,14 @@ def free_now(
     hi = state.hi[:, s]
     chunk = release_chunk(b) if chunk is None else chunk
     state = sweep(plan, state, s, mask, jnp.zeros_like(hi), hi, -1, chunk)
-    zeros = jnp.zeros_like(hi)
+    return forget_rows(state, s, mask)
+
+
+def forget_rows(state: CacheState, s: jax.Array, mask: jax.Array) -> CacheState:
+    """The row half of :func:`free_now`: resets the slots of ``s[mask]`` and bumps their
+    generation, leaving tables and pages as they are (the caller sweeps ``[0, hi)`` of each
+    row with fill -1, before or after: the two touch disjoint parts of the state)."""
+    zeros = jnp.zeros_like(state.hi[:, s])
     return replace(
         state,
         keyed=set_rows(state.keyed, s, mask, False),

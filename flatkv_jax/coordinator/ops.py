@@ -13,7 +13,7 @@ Cost model (no operation scans a pool or a whole table):
 - reclaim/release/deferred release: ``O(entries changed)`` through a ``lax.while_loop`` over
   fixed-size chunks of the flattened (row, table column) segments that change; a release touches
   ``[0, hi)`` of each of the request's rows (its pages, and its holes which become -1).
-- retire/rewind: ``O(B * fifo_depth)``.
+- retire/rewind: ``O(B * fifo_depth)``; retire_reclaim: retire's plus reclaim's, one sweep.
 
 Checks run in a fixed priority per row (the first failing check is the status): ``IDLE``, then
 ``STALE``, ``BAD_ARG``, then the op's own checks, then ``STEP_FULL`` and ``OUT_OF_PAGES`` last.
@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from flatkv_jax.compile_options import COORDINATOR_COMPILER_OPTIONS
-from flatkv_jax.coordinator.alloc import free_now, grow, reclaim_chunk, sweep
+from flatkv_jax.coordinator.alloc import forget_rows, free_now, grow, reclaim_chunk, sweep
 from flatkv_jax.coordinator.batches import (
     AdmitBatch,
     ExtendBatch,
@@ -62,7 +62,13 @@ from flatkv_jax.coordinator.publish import (
     publish_blocks,
     take_hits,
 )
-from flatkv_jax.coordinator.results import ReclaimResult, RetireResult, StatusResult, StepResult
+from flatkv_jax.coordinator.results import (
+    ReclaimResult,
+    RetireReclaimResult,
+    RetireResult,
+    StatusResult,
+    StepResult,
+)
 from flatkv_jax.coordinator.rows import (
     later_duplicates,
     lookup,
@@ -96,6 +102,8 @@ __all__ = [
     "resolve_max_count",
     "retire",
     "retire_fn",
+    "retire_reclaim",
+    "retire_reclaim_fn",
     "rewind",
     "rewind_fn",
 ]
@@ -451,7 +459,102 @@ def retire_fn(
     """
     check_state_for_plan(plan, state, "retire")
     check_batch(batch, RetireBatch, "retire")
-    mc = resolve_max_count(plan, max_count)
+    state, result, s = _retire(plan, state, batch, resolve_max_count(plan, max_count))
+    # Deferred releases are rare: skip the sweeps (and their loops) on steps without one.
+    # Their sweep walks a decode step's chunk (reclaim_chunk), not a release's: XLA:CPU
+    # charges every call for the code it holds, run or not, and a release-sized chunk's
+    # sweep cost each B = 256 decode step ~3 % more (ab_compiled x0.976 / x1.031 reversed).
+    # (retire_reclaim_fn holds no second sweep at all.)
+    release = result.released
+    state = jax.lax.cond(
+        jnp.any(release),
+        lambda st: free_now(plan, st, s, release, reclaim_chunk(plan, s.shape[0])),
+        lambda st: st,
+        state,
+    )
+    return state, result
+
+
+def retire_reclaim_fn(
+    plan: CachePlan,
+    state: CacheState,
+    batch: RetireBatch,
+    *,
+    max_count: int | None = None,
+    reclaim_max_count: int | None = None,
+) -> tuple[CacheState, RetireReclaimResult]:
+    """``retire_fn``, then ``reclaim_fn`` of the rows it committed, in one sweep.
+
+    The result and the new state are those of::
+
+        state, r = retire_fn(plan, state, batch, max_count=max_count)
+        keep = (r.status == Status.OK) & ~r.released
+        state, c = reclaim_fn(plan, state, HandleBatch(keep, batch.slot, batch.generation),
+                              max_count=reclaim_max_count)
+
+    with ``c.holes`` as the result's ``holes``: what a decode step runs after its model step.
+    The difference is cost: the pages of requests whose deferred release this retire completes
+    and the window pages behind every committed row are dropped by one sweep (the released
+    rows' entries first in each pool, as the two calls drop them), where the two calls hold two
+    sweeps, one of them for a release that decode steps seldom see. XLA:CPU charges every call
+    for the code a program holds, run or not (docs/coordinator.md, cost rule 4).
+
+    Args:
+      plan: the cache plan (static).
+      state: the cache state (donated by :data:`retire_reclaim`).
+      batch: handles and accepted counts.
+      max_count: static, as :func:`retire_fn`'s (a decode-only batch:
+        ``plan.limits.decode_tokens``).
+      reclaim_max_count: static, optional, as :func:`reclaim_fn`'s ``max_count`` (sizes the
+        sweep's chunks only; after a prefill pass, the chunk width).
+
+    Returns:
+      The new state and a :class:`RetireReclaimResult`.
+    """
+    check_state_for_plan(plan, state, "retire_reclaim")
+    check_batch(batch, RetireBatch, "retire_reclaim")
+    state, ret, s = _retire(plan, state, batch, resolve_max_count(plan, max_count))
+    release = ret.released
+    keep = (ret.status == Status.OK) & ~release
+    b = s.shape[0]
+    hi = state.hi[:, s]
+    lo, new_lo = _behind_window(plan, state, s)
+    # Segments [G, 2B]: in each group the released rows' [0, hi) (fill -1), then the kept
+    # rows' [lo, new_lo) (holes): the order in which retire_fn's and reclaim_fn's sweeps
+    # reach each pool, so frees and LRU pushes land in the same order.
+    cat = jnp.concatenate
+    state = sweep(
+        plan,
+        state,
+        cat([s, s]),
+        cat([release, keep]),
+        cat([jnp.zeros_like(hi), lo], axis=1),
+        cat([hi, new_lo], axis=1),
+        cat([jnp.full((b,), -1, _I32), jnp.zeros((b,), _I32)]),
+        reclaim_chunk(plan, b, reclaim_max_count),
+        one_request=b == 1,  # a row either releases or is kept, never both
+    )
+    # The released rows' resets are ten row scatters that most decode steps need not run: a
+    # cond with a small branch costs less than running them (~5 % of a B = 256 decode step).
+    state = jax.lax.cond(
+        jnp.any(release), lambda st: forget_rows(st, s, release), lambda st: st, state
+    )
+    state = replace(state, lo=set_cols(state.lo, s, keep, new_lo))
+    result = RetireReclaimResult(
+        status=ret.status,
+        committed=ret.committed,
+        extent=ret.extent,
+        released=release,
+        holes=jnp.where(keep[:, None], (new_lo - lo).T, 0),
+    )
+    return state, result
+
+
+def _retire(
+    plan: CachePlan, state: CacheState, batch: RetireBatch, mc: int
+) -> tuple[CacheState, RetireResult, jax.Array]:
+    """retire_fn without freeing the rows it releases (``result.released``): returns the
+    state, the result and the batch's slots ``s``."""
     r, d = state.max_requests, state.fifo_depth
     valid = batch.valid
     s, ok = lookup(state, batch.slot, batch.generation)
@@ -498,23 +601,13 @@ def retire_fn(
         fifo_head=set_rows(state.fifo_head, s, go, (head + 1) % d),
         fifo_len=set_rows(state.fifo_len, s, go, len_new),
     )
-    # Deferred releases are rare: skip the sweeps (and their loops) on steps without one.
-    # Their sweep walks a decode step's chunk (reclaim_chunk), not a release's: XLA:CPU
-    # charges every call for the code it holds, run or not, and a release-sized chunk's
-    # sweep cost each B = 256 decode step ~3 % more (ab_compiled x0.976 / x1.031 reversed).
-    state = jax.lax.cond(
-        jnp.any(release),
-        lambda st: free_now(plan, st, s, release, reclaim_chunk(plan, s.shape[0])),
-        lambda st: st,
-        state,
-    )
     result = RetireResult(
         status=status,
         committed=jnp.where(go, c_new, -1),
         extent=jnp.where(go, n_new, -1),
         released=release,
     )
-    return state, result
+    return state, result, s
 
 
 def rewind_fn(
@@ -598,6 +691,15 @@ def reclaim_fn(
     status = pick_status(
         Status.OK, (~valid, Status.IDLE), (stale, Status.STALE), (bad, Status.BAD_ARG)
     )
+    lo, new_lo = _behind_window(plan, state, s)
+    state = sweep(plan, state, s, go, lo, new_lo, 0, reclaim_chunk(plan, b, max_count))
+    state = replace(state, lo=set_cols(state.lo, s, go, new_lo))
+    return state, ReclaimResult(status, jnp.where(go[:, None], (new_lo - lo).T, 0))
+
+
+def _behind_window(plan: CachePlan, state: CacheState, s: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per group and row of ``s``: ``lo`` and the ``new_lo`` a reclaim moves it to
+    (``int32[G, B]`` each; equal in history groups)."""
     lay = state_layout(plan)
     c = state.committed[s]
     lo, hi = state.lo[:, s], state.hi[:, s]  # [G, B]
@@ -610,9 +712,7 @@ def reclaim_fn(
     start = jnp.where(period > 0, jnp.maximum(start, restart), start)
     behind = div_groups(jnp.maximum(0, start), lay.block_tokens, 0)
     new_lo = jnp.where(per_group(lay.is_window)[:, None], jnp.clip(behind, lo, hi), lo)
-    state = sweep(plan, state, s, go, lo, new_lo, 0, reclaim_chunk(plan, b, max_count))
-    state = replace(state, lo=set_cols(state.lo, s, go, new_lo))
-    return state, ReclaimResult(status, jnp.where(go[:, None], (new_lo - lo).T, 0))
+    return lo, new_lo
 
 
 def release_fn(
@@ -672,6 +772,9 @@ admit = _jit(admit_fn, ("plan", "max_count"))
 extend = _jit(extend_fn, ("plan", "max_count"))
 #: ``retire_fn`` jitted (plan and ``max_count`` static, state donated).
 retire = _jit(retire_fn, ("plan", "max_count"))
+#: ``retire_reclaim_fn`` jitted (plan, ``max_count`` and ``reclaim_max_count`` static, state
+#: donated).
+retire_reclaim = _jit(retire_reclaim_fn, ("plan", "max_count", "reclaim_max_count"))
 #: ``rewind_fn`` jitted (plan static, state donated).
 rewind = _jit(rewind_fn, ("plan",))
 #: ``reclaim_fn`` jitted (plan and ``max_count`` static, state donated).

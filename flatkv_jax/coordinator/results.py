@@ -74,6 +74,25 @@ class RetireResult:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class RetireReclaimResult:
+    """Result of ``retire_reclaim``: :class:`RetireResult`'s fields plus the reclaim's holes.
+
+    Attributes:
+      status, committed, extent, released: as :class:`RetireResult`.
+      holes: ``int32[B, G]``, table slots the reclaim turned into holes per group (as
+        :class:`ReclaimResult`); 0 on every row it did not reclaim (all but the ``OK`` rows
+        that did not release).
+    """
+
+    status: jax.Array
+    committed: jax.Array
+    extent: jax.Array
+    released: jax.Array
+    holes: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class ReclaimResult:
     """Result of ``reclaim``.
 

@@ -7,7 +7,8 @@ last; docs/coordinator.md):
    flight gets ``DEFERRED`` and is freed by the retire below (an aborted step publishes
    nothing, a retracted or finished one publishes its committed blocks).
 2. ``retire`` of every lane's in-flight step (the previous call's), with the accepted count
-   that call computed and kept on device, then ``reclaim`` (window pages behind the window).
+   that call computed and kept on device, then ``reclaim`` of the lanes it committed (window
+   pages behind the window): one ``retire_reclaim``.
 3. per lane, what to schedule: a prefill chunk (``min(allowance, prompt_len - extent)``
    tokens from the lane's token buffer) or a decode / speculative-verify row (``1 +
    verify_width`` tokens when the allowance holds them, else 1). The host only grants
@@ -41,7 +42,6 @@ from jax.sharding import PartitionSpec as P
 from flatkv_jax.coordinator.batches import (
     AdmitBatch,
     ExtendBatch,
-    HandleBatch,
     ReleaseBatch,
     RetireBatch,
 )
@@ -49,10 +49,9 @@ from flatkv_jax.coordinator.metadata import step_metadata_fn
 from flatkv_jax.coordinator.ops import (
     admit_fn,
     extend_fn,
-    reclaim_fn,
     release_fn,
     resolve_max_count,
-    retire_fn,
+    retire_reclaim_fn,
 )
 from flatkv_jax.coordinator.state import CacheState
 from flatkv_jax.model.cache_io import DraftBatch, StepBatch
@@ -260,14 +259,16 @@ def step_body(graphdef, plan: CachePlan, kind: StepKind):
         )
         # 2. retire the previous step of every lane, then reclaim.
         inflight = (lanes.accept > 0) & (lanes.slot >= 0)
-        state, ret = retire_fn(
+        # One op, one sweep: the deferred releases it completes and the window pages behind
+        # every committed lane (retire_fn then reclaim_fn of the committed lanes would hold
+        # a second sweep in this program, for the rare release).
+        state, ret = retire_reclaim_fn(
             plan,
             state,
             RetireBatch(inflight, lanes.slot, lanes.generation, lanes.accept),
             max_count=mc,
         )
         retired = inflight & (ret.status == Status.OK) & ~ret.released
-        state, rec = reclaim_fn(plan, state, HandleBatch(retired, lanes.slot, lanes.generation))
         freed = _scatter(r, rl, rv & (rel.status == Status.OK), jnp.ones((r,), bool), False)
         freed = freed | (inflight & ret.released)
         slot = jnp.where(freed, -1, lanes.slot)
@@ -437,7 +438,8 @@ def step_body(graphdef, plan: CachePlan, kind: StepKind):
             "retire_status": jnp.where(inflight, ret.status, Status.IDLE),
             "retired": jnp.where(inflight, prev_accept, 0),
             "release_status": _scatter(r, rl, rl >= 0, rel.status, Status.IDLE),
-            "reclaim_status": jnp.where(retired, rec.status, Status.IDLE),
+            # retire_reclaim reclaims exactly the retired lanes (OK, each named once).
+            "reclaim_status": jnp.where(retired, Status.OK, Status.IDLE),
             "free": top.astype(_I32),
             "cached": cached,
             "zeroed": jnp.sum(md.zero >= 0, axis=1).astype(_I32),

@@ -66,6 +66,9 @@ class Driver:
     def retire(self, *rows):
         return self._run(ops.retire, host.retire_batch(self.plan, list(rows)))
 
+    def retire_reclaim(self, *rows):
+        return self._run(ops.retire_reclaim, host.retire_batch(self.plan, list(rows)))
+
     def rewind(self, *rows):
         return self._run(ops.rewind, host.rewind_batch(self.plan, list(rows)))
 

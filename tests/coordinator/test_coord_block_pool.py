@@ -192,6 +192,7 @@ def _temp_and_alias(op, pages):
         "reclaim": host.handle_batch(plan, [(0, 0)]),
         "release": host.release_batch(plan, [((0, 0), host.ReleaseMode.FINISH)]),
         "retire": host.retire_batch(plan, [((0, 0), 1)]),
+        "retire_reclaim": host.retire_batch(plan, [((0, 0), 1)]),
         "admit": host.admit_batch(plan, [(32, 16)], tokens=tokens.tolist()),
     }[op]
     compiled = getattr(ops, op).lower(plan, state, batch).compile()
@@ -199,7 +200,9 @@ def _temp_and_alias(op, pages):
     return plan, mem.temp_size_in_bytes, mem.alias_size_in_bytes
 
 
-@pytest.mark.parametrize("op", ["extend", "reclaim", "release", "retire", "admit"])
+@pytest.mark.parametrize(
+    "op", ["extend", "reclaim", "release", "retire", "retire_reclaim", "admit"]
+)
 def test_no_pool_sized_temporaries(op):
     """With the state donated, a 1M-page pool is updated in place: XLA's temporaries do not
     grow with the pools (a 256k-page plan compiles to the same temporaries) and stay far below

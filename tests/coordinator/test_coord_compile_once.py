@@ -7,7 +7,10 @@ from coordinator_cases import ABORT, FINISH, RETRACT, Driver, make_plan
 from flatkv_jax.coordinator import ops
 from flatkv_jax.coordinator.metadata import step_metadata
 
-JITTED = (ops.admit, ops.extend, ops.retire, ops.rewind, ops.reclaim, ops.release, step_metadata)
+JITTED = (
+    *(ops.admit, ops.extend, ops.retire, ops.rewind, ops.reclaim, ops.release),
+    *(ops.retire_reclaim, step_metadata),
+)
 
 
 def test_a_varied_trace_compiles_each_operation_once():
@@ -20,8 +23,11 @@ def test_a_varied_trace_compiles_each_operation_once():
     for step in range(6):
         res = d.extend((a, 2), (b, 1 + step % 2))
         d.metadata(res)
-        d.retire((a, 1 + step % 2), (b, 1))
-        d.reclaim(a, b)
+        if step % 3:
+            d.retire((a, 1 + step % 2), (b, 1))
+            d.reclaim(a, b)
+        else:  # the decode step's form: one call
+            d.retire_reclaim((a, 1 + step % 2), (b, 1))
     d.extend((a, 2))
     d.rewind((a, d.n_c(a)[1] + 1))
     d.retire((a, 2))

@@ -46,12 +46,17 @@ def _lowered(name: str):
         return ops.extend.lower(plan, state, batch, max_count=1)
     if name == "retire":
         return ops.retire.lower(plan, state, RetireBatch(on, i32, i32, i32), max_count=1)
+    if name == "retire_reclaim":
+        batch = RetireBatch(on, i32, i32, i32)
+        return ops.retire_reclaim.lower(plan, state, batch, max_count=1)
     if name == "reclaim":
         return ops.reclaim.lower(plan, state, HandleBatch(on, i32, i32))
     return ops.release.lower(plan, state, ReleaseBatch(on, i32, i32, i32))
 
 
-@pytest.mark.parametrize("name", ["admit", "extend", "retire", "reclaim", "release"])
+@pytest.mark.parametrize(
+    "name", ["admit", "extend", "retire", "retire_reclaim", "reclaim", "release"]
+)
 def test_jitted_ops_compile_without_cpu_task_splits(name):
     lowered = _lowered(name)
     assert lowered.compile().as_text().count(SPLIT) == 0
