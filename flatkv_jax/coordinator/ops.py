@@ -535,7 +535,8 @@ def retire_reclaim_fn(
         one_request=b == 1,  # a row either releases or is kept, never both
     )
     # The released rows' resets are ten row scatters that most decode steps need not run: a
-    # cond with a small branch costs less than running them (~5 % of a B = 256 decode step).
+    # cond with a small branch costs less than running them (B = 256 decode step, two runs:
+    # x0.900 / x0.859 of the two calls with the cond, x0.940 / x0.914 without).
     state = jax.lax.cond(
         jnp.any(release), lambda st: forget_rows(st, s, release), lambda st: st, state
     )
