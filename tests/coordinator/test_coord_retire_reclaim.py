@@ -181,3 +181,25 @@ def test_retire_reclaim_names_itself_in_its_errors():
     assert host.statuses(r, 1) == [Status.BAD_ARG]
     assert np.asarray(r.holes).sum() == 0 and not bool(r.released[0])
     assert_same(snapshot(state), before)
+
+
+def test_without_a_prefix_index_it_is_retire_then_reclaim():
+    """``create_state(prefix=False)``: no index, no LRU; the one sweep frees the released
+    rows' pages and drops the window pages as the two calls do (states equal leaf by leaf)."""
+    plan = PLAN
+    state = coord.create_state(plan, prefix=False)
+    batch = host.admit_batch(plan, [(16, 16), (16, 16)])
+    state, res = coord.admit(plan, state, batch)
+    h = host.handles(res, 2)
+    state, st = coord.release(plan, state, host.release_batch(plan, [(h[0], ReleaseMode.ABORT)]))
+    assert host.statuses(st, 1) == [Status.DEFERRED]
+    b = host.retire_batch(plan, [(h[0], 16), (h[1], 16)])
+    a = jax.tree.map(jnp.copy, state)
+    state, r = coord.retire_reclaim(plan, state, b)
+    a, ra = coord.retire(plan, a, b)
+    keep = (ra.status == Status.OK) & ~ra.released
+    a, ca = coord.reclaim(plan, a, HandleBatch(keep, b.slot, b.generation))
+    assert np.asarray(r.released)[:2].tolist() == [True, False]
+    np.testing.assert_array_equal(np.asarray(r.holes), np.asarray(ca.holes))
+    assert np.asarray(r.holes)[1].sum() > 0
+    assert_same(snapshot(state), snapshot(a))
