@@ -170,6 +170,14 @@ class DeviceBackend:
             coord.RetireBatch(**self._handles(batch), accepted=jnp.asarray(batch.arg, _I32)),
         )
 
+    def retire_reclaim(self, batch: OracleHandleBatch) -> OpResult:
+        """``coord.retire_reclaim``: retire, then reclaim of the rows it committed, in one
+        sweep (the host's is ``RadixOracle.retire_reclaim``)."""
+        return self._status_only(
+            coord.retire_reclaim,
+            coord.RetireBatch(**self._handles(batch), accepted=jnp.asarray(batch.arg, _I32)),
+        )
+
     def rewind(self, batch: OracleHandleBatch) -> OpResult:
         return self._status_only(
             coord.rewind,

@@ -453,6 +453,25 @@ class RadixOracle:
                 self._free(slot, req.pending)
         return res
 
+    def retire_reclaim(self, batch: OracleHandleBatch) -> OpResult:
+        """:meth:`retire`, then :meth:`reclaim` of the rows it committed (``OK``) whose
+        request it did not free (a deferred release it completed): the coordinator's
+        ``retire_reclaim``. Returns the retire's result (every reclaim it runs is ``OK``)."""
+        res = self.retire(batch)
+        keep = np.array(
+            [
+                res.status[i] == Status.OK
+                and self._req(int(batch.slot[i]), int(batch.generation[i]), allow_pending=True)
+                is not None
+                for i in range(batch.valid.shape[0])
+            ],
+            bool,
+        )
+        rec = self.reclaim(dataclasses.replace(batch, valid=keep))
+        if not np.all(rec.status[keep] == Status.OK):
+            raise AssertionError(f"reclaim of committed rows failed: {rec.status[keep]}")
+        return res
+
     def rewind(self, batch: OracleHandleBatch) -> OpResult:
         """Lowers extents (``arg`` = new extent); pages are kept, in-flight steps are cut.
 

@@ -21,7 +21,7 @@ from coordinator_cases import PLAN, assert_same, snapshot
 
 from flatkv_jax import coordinator as coord
 from flatkv_jax.coordinator import HandleBatch, ReleaseBatch, ReleaseMode, RetireBatch, host
-from flatkv_jax.oracle import TraceConfig, random_trace, run_trace
+from flatkv_jax.oracle import RadixOracle, TraceConfig, random_trace, run_trace
 from flatkv_jax.oracle.batches import empty_result
 from flatkv_jax.oracle.device_adapter import DeviceBackend
 from flatkv_jax.oracle.long_run import diff_plan
@@ -203,3 +203,57 @@ def test_without_a_prefix_index_it_is_retire_then_reclaim():
     np.testing.assert_array_equal(np.asarray(r.holes), np.asarray(ca.holes))
     assert np.asarray(r.holes)[1].sum() > 0
     assert_same(snapshot(state), snapshot(a))
+
+
+class _Fusing:
+    """A backend whose ``retire`` is its ``retire_reclaim``: a trace's retires run fused."""
+
+    def __init__(self, inner, seen: dict | None = None):
+        self.inner, self.plan, self.seen = inner, inner.plan, seen
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def retire(self, batch):
+        if self.seen is not None:  # requests this retire will free: a pending release
+            c = self.inner.counts()
+            ok = batch.valid & (c.pending[batch.slot] > 0) & (c.in_flight[batch.slot] == 1)
+            self.seen["pending"] += int(np.sum(ok))
+        return self.inner.retire_reclaim(batch)
+
+
+def test_retire_reclaim_against_the_oracle_on_random_traces():
+    """The device's one-sweep op against the host oracle's retire-then-reclaim (an
+    implementation sharing no code with it) on 30 random traces: every status, page count
+    and table (up to page relabelling) after every op, and the oracle's invariants."""
+    seen = {"pending": 0}
+    oracle = _Fusing(RadixOracle(DIFF))
+    device = _Fusing(DeviceBackend(DIFF), seen)
+    cfg = TraceConfig(num_ops=60)
+    for seed in range(30):
+        rep = run_trace(random_trace(DIFF, seed, cfg), oracle, device, names=("oracle", "device"))
+        assert rep.ok, rep.divergence
+    assert seen["pending"] > 0, seen
+
+
+def test_rows_not_committed_are_not_reclaimed():
+    """A ``DISCARDED`` row (a rewind cut its whole step) and a ``NO_STEP`` row keep the window
+    pages behind them (``holes`` 0, tables as ``retire`` alone leaves them); a ``reclaim``
+    afterwards drops them."""
+    plan = PLAN
+    state, res = _admitted(plan, 16, rows=2)
+    h = host.handles(res, 2)
+    # Commit both prefills without reclaiming: each row's window lags behind its commit.
+    state, _ = coord.retire(plan, state, host.retire_batch(plan, [(h[0], 16), (h[1], 16)]))
+    state, _ = coord.extend(plan, state, host.extend_batch(plan, [(h[0], 2)]))
+    state, st = coord.rewind(plan, state, host.rewind_batch(plan, [(h[0], 16)]))
+    assert host.statuses(st, 1) == [Status.OK]
+    b = host.retire_batch(plan, [(h[0], 0), (h[1], 0)])
+    a = jax.tree.map(jnp.copy, state)
+    state, r = coord.retire_reclaim(plan, state, b)
+    a, ra = coord.retire(plan, a, b)
+    assert host.statuses(r, 2) == [Status.DISCARDED, Status.NO_STEP] == host.statuses(ra, 2)
+    assert np.asarray(r.holes).sum() == 0
+    assert_same(snapshot(state), snapshot(a))
+    state, c = coord.reclaim(plan, state, host.handle_batch(plan, h))
+    assert np.asarray(c.holes)[0].sum() > 0 and np.asarray(c.holes)[1].sum() > 0
