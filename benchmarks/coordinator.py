@@ -2,10 +2,9 @@
 
 One step = retire (previous step's verify result) + reclaim (one ``retire_reclaim``) + extend
 (1 + verify_width tokens per request) + step metadata, composed from the ``*_fn`` operations
-inside one ``jax.jit``
-with the state donated — what a serving loop runs per step. Every request in the batch is
-running; the pools hold either 16k or 1M pages per group (the goal: the 1M / 16k time ratio
-stays <= 1.3, i.e. cost does not follow the pool size).
+inside one ``jax.jit`` with the state donated — what a serving loop runs per step. Every
+request in the batch is running; the pools hold either 16k or 1M pages per group (the goal:
+the 1M / 16k time ratio stays <= 1.3, i.e. cost does not follow the pool size).
 
 Run::
 

@@ -164,19 +164,16 @@ class DeviceBackend:
             generation=jnp.asarray(batch.generation, _I32),
         )
 
+    def _retire_batch(self, batch: OracleHandleBatch) -> coord.RetireBatch:
+        return coord.RetireBatch(**self._handles(batch), accepted=jnp.asarray(batch.arg, _I32))
+
     def retire(self, batch: OracleHandleBatch) -> OpResult:
-        return self._status_only(
-            coord.retire,
-            coord.RetireBatch(**self._handles(batch), accepted=jnp.asarray(batch.arg, _I32)),
-        )
+        return self._status_only(coord.retire, self._retire_batch(batch))
 
     def retire_reclaim(self, batch: OracleHandleBatch) -> OpResult:
         """``coord.retire_reclaim``: retire, then reclaim of the rows it committed, in one
         sweep (the host's is ``RadixOracle.retire_reclaim``)."""
-        return self._status_only(
-            coord.retire_reclaim,
-            coord.RetireBatch(**self._handles(batch), accepted=jnp.asarray(batch.arg, _I32)),
-        )
+        return self._status_only(coord.retire_reclaim, self._retire_batch(batch))
 
     def rewind(self, batch: OracleHandleBatch) -> OpResult:
         return self._status_only(

@@ -7,6 +7,7 @@ harness compares every op's statuses, the page counts per pool and the tables an
 contents up to a relabelling of page ids (which page of a pool a free hands back next is not
 part of the contract: a chunk that lists a page twice frees its pages in page order); after
 every retire the results must be equal and every state leaf that names no page identical.
+The same traces also run the op against the radix oracle's ``retire_reclaim`` directly.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class _Sequential(DeviceBackend):
         self.result = self.holes = None
 
     def retire(self, batch):
-        b = coord.RetireBatch(**self._handles(batch), accepted=jnp.asarray(batch.arg, _I32))
+        b = self._retire_batch(batch)
         self.state, r = coord.retire(self.plan, self.state, b)
         keep = (r.status == Status.OK) & ~r.released
         self.state, c = coord.reclaim(
@@ -74,7 +75,7 @@ class _Fused(_Sequential):
         super().__init__(plan)
 
     def retire(self, batch):
-        b = coord.RetireBatch(**self._handles(batch), accepted=jnp.asarray(batch.arg, _I32))
+        b = self._retire_batch(batch)
         self.state, r = coord.retire_reclaim(self.plan, self.state, b)
         t = self.twin.result
         for f in ("status", "committed", "extent", "released"):
