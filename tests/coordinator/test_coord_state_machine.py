@@ -184,6 +184,17 @@ class Model:
                 self._free_req(s)
         return out
 
+    def retire_reclaim(self, rows):
+        """retire, then reclaim of the rows it committed and did not free."""
+        out = self.retire(rows)
+        keep = [
+            h
+            for (h, _), st in zip(rows, out, strict=True)
+            if st == Status.OK and self.lookup(h, True) is not None
+        ]
+        assert self.reclaim(keep) == [Status.OK] * len(keep)
+        return out
+
     def rewind(self, rows):
         out = []
         for s, dup, e in self._rows(rows, False):
@@ -285,17 +296,28 @@ class CoordinatorMachine(RuleBasedStateMachine):
         rows = [(self.pick(i), cnt) for i, cnt in rows]
         self.run(ops.extend, host.extend_batch(PLAN, rows), self.model.extend(rows))
 
-    @rule(rows=stg.lists(stg.tuples(handle_idx, stg.integers(0, 99)), min_size=1, max_size=3))
-    def retire(self, rows):
+    def retire_rows(self, rows):
+        """(handle, accepted) rows: mostly all accepted, often some rejected, rarely out of
+        range."""
         out = []
         for i, x in rows:
             h = self.pick(i)
             cnt = self.head_count(h)
-            # Mostly all accepted, often some rejected, rarely out of range.
             acc = cnt if x < 55 else x % (cnt + 1) if x < 92 else (-1 if x % 2 else cnt + 1)
             out.append((h, acc))
-        rows = out
+        return out
+
+    @rule(rows=stg.lists(stg.tuples(handle_idx, stg.integers(0, 99)), min_size=1, max_size=3))
+    def retire(self, rows):
+        rows = self.retire_rows(rows)
         self.run(ops.retire, host.retire_batch(PLAN, rows), self.model.retire(rows))
+
+    @rule(rows=stg.lists(stg.tuples(handle_idx, stg.integers(0, 99)), min_size=1, max_size=3))
+    def retire_reclaim(self, rows):
+        """The decode step's form: retire, then reclaim of what it committed, one sweep."""
+        rows = self.retire_rows(rows)
+        batch = host.retire_batch(PLAN, rows)
+        self.run(ops.retire_reclaim, batch, self.model.retire_reclaim(rows))
 
     @rule(rows=stg.lists(stg.tuples(handle_idx, stg.integers(-2, 2)), min_size=1, max_size=2))
     def rewind(self, rows):
