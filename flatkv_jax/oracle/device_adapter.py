@@ -153,6 +153,11 @@ class DeviceBackend:
 
     def _status_only(self, op, batch) -> OpResult:
         self.state, r = op(self.plan, self.state, batch)
+        return self._statuses(r)
+
+    @staticmethod
+    def _statuses(r) -> OpResult:
+        """An :class:`OpResult` holding only the statuses of a coordinator result."""
         out = empty_result(np.shape(r.status)[0])
         out.status[:] = np.asarray(r.status)
         return out

@@ -23,7 +23,6 @@ from coordinator_cases import PLAN, assert_same, snapshot
 from flatkv_jax import coordinator as coord
 from flatkv_jax.coordinator import HandleBatch, ReleaseBatch, ReleaseMode, RetireBatch, host
 from flatkv_jax.oracle import RadixOracle, TraceConfig, random_trace, run_trace
-from flatkv_jax.oracle.batches import empty_result
 from flatkv_jax.oracle.device_adapter import DeviceBackend
 from flatkv_jax.oracle.long_run import diff_plan
 from flatkv_jax.status import Status
@@ -59,12 +58,7 @@ class _Sequential(DeviceBackend):
             self.plan, self.state, HandleBatch(keep, b.slot, b.generation)
         )
         self.result, self.holes = r, np.asarray(c.holes)
-        return self._status_out(r)
-
-    def _status_out(self, r):
-        out = empty_result(np.shape(r.status)[0])
-        out.status[:] = np.asarray(r.status)
-        return out
+        return self._statuses(r)
 
 
 class _Fused(_Sequential):
@@ -85,7 +79,7 @@ class _Fused(_Sequential):
         self.seen["released"] += int(np.sum(np.asarray(r.released)))
         self.seen["holes"] += int(np.sum(np.asarray(r.holes)))
         self.seen["retires"] += 1
-        return self._status_out(r)
+        return self._statuses(r)
 
 
 def test_retire_reclaim_is_retire_then_reclaim_on_random_traces():
