@@ -8,6 +8,7 @@ command fails here rather than on a reader's machine.
 import pathlib
 import pkgutil
 import re
+import warnings
 
 import pdoc
 
@@ -34,15 +35,23 @@ def readme_command_modules():
     return sorted(m.group(1).split())
 
 
-def test_readme_command_names_every_public_package():
-    # pdoc follows each package's __all__, which lists names, not subpackages: a package the
-    # command does not name would be missing from the reference.
-    assert readme_command_modules() == public_packages()
+def test_readme_command_names_only_public_packages():
+    assert set(readme_command_modules()) <= set(public_packages())
 
 
 def test_api_reference_builds_and_documents_the_public_names(tmp_path):
-    pdoc.pdoc(*readme_command_modules(), output_directory=tmp_path)
+    # pdoc warns (and goes on) when it cannot resolve an annotation or is given one module
+    # twice: the reference would show a raw string or the command a redundant name.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pdoc.pdoc(*readme_command_modules(), output_directory=tmp_path)
+    assert not [str(w.message) for w in caught], [str(w.message) for w in caught]
     pages = {p.relative_to(tmp_path).as_posix(): p for p in tmp_path.rglob("*.html")}
+    # Every public package has its page: pdoc follows a package's __all__, which lists names,
+    # not subpackages (a name that is also a subpackage, as kernels_pallas.write_rows, is
+    # followed), so a package the command neither names nor reaches would be missing.
+    missing = [p for p in public_packages() if p.replace(".", "/") + ".html" not in pages]
+    assert not missing, f"no API page for {missing}: add them to the README's pdoc command"
 
     def text(page):
         assert page in pages, f"{page} was not generated; generated: {sorted(pages)}"

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import typing
 from typing import Any, NamedTuple
 
 import jax
@@ -110,6 +111,12 @@ class Woken(NamedTuple):
     state: CacheState
     pools: Any
     retracted: tuple[Handle, ...]
+
+
+# The generated constructor's annotations are strings (this module's `from __future__ import
+# annotations`) that only this module's names resolve: resolve them here, so that tools
+# reading the signature (the API reference) see the types.
+Woken.__new__.__annotations__ = typing.get_type_hints(Woken)
 
 
 def in_flight_slots(state: CacheState) -> list[int]:
