@@ -280,6 +280,7 @@ def forget_rows(state: CacheState, s: jax.Array, mask: jax.Array) -> CacheState:
     return replace(
         state,
         keyed=set_rows(state.keyed, s, mask, False),
+        admit_hashed=set_rows(state.admit_hashed, s, mask, False),
         lo=set_cols(state.lo, s, mask, zeros),
         hi=set_cols(state.hi, s, mask, zeros),
         live=set_rows(state.live, s, mask, False),

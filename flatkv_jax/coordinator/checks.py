@@ -21,6 +21,7 @@ from flatkv_jax.coordinator.batches import (
     RetireBatch,
     RewindBatch,
 )
+from flatkv_jax.coordinator.layout import admit_lanes_width
 from flatkv_jax.coordinator.results import StepResult
 from flatkv_jax.coordinator.state import (
     CacheState,
@@ -228,6 +229,14 @@ def _check_shapes(plan: CachePlan, state: CacheState, op: str) -> None:
         ("subkeys", state.subkeys, (r, 3, LANES), "uint32"),
         ("key_seed", state.key_seed, (SEED_WORDS,), "uint32"),
         ("fifo_tokens", state.fifo_tokens, (r, d, width), _INT),
+        ("admit_hashed", state.admit_hashed, (r,), _BOOL),
+        (
+            "admit_lanes",
+            state.admit_lanes,
+            (r, admit_lanes_width(plan) if prefix else 0, LANES),
+            "uint32",
+        ),
+        ("admit_chain", state.admit_chain, (r, CHAIN_WORDS), "uint32"),
     ]
     expect += [(n, getattr(state, n), (r,), _INT) for n in _PER_SLOT]
     expect += [(n, getattr(state, n), (r, d), _INT) for n in _PER_STEP]

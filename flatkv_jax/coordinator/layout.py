@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import math
 
 import jax
 import jax.numpy as jnp
@@ -187,3 +188,61 @@ def pages_per_row(plan: CachePlan, max_count: int) -> int:
     for the smallest block span ``B`` (a step of ``n <= max_count`` tokens opens at most
     ``ceil(n / B)`` new blocks, since blocks ``< hi`` are already allocated)."""
     return -(-max_count // min(state_layout(plan).block_tokens))
+
+
+def hit_run_start(block_tokens: int, reach: int, granularity: int, ends, xp=jnp):
+    """For a window group's block ending at ``ends``: the first block of the trailing run of
+    the nearest hit boundary at or after it (``h``, the next multiple of ``granularity``).
+
+    A match at ``h`` needs the blocks ``[max(0, (h - reach) // B), h / B)`` (``reach``: the
+    group's :attr:`~flatkv_jax.groups.GroupSpec.hit_reach`, ``W - 1`` for a sliding window);
+    later boundaries start their runs later still, so a block below this start is in no run
+    and no admission can ever read it from the index: it is not published (its page is
+    freed, not cached, when the request lets it go). ``xp``: ``jnp``, or ``np`` for static
+    ends (:func:`publish_strides`).
+    """
+    h = (ends + granularity - 1) // granularity * granularity
+    run = (h - reach) // block_tokens
+    return xp.maximum(run, 0)
+
+
+@functools.cache
+def publish_strides(plan: CachePlan) -> tuple[int, ...]:
+    """Per group (static): the spacing of the block ends it can ever publish, 0 if none.
+
+    A history group publishes every block (its span). A window group publishes only the
+    blocks of some boundary's trailing run (:func:`hit_run_start`); their ends repeat with
+    the granularity, and the stride is their gcd (V4: the sliding window's 64-token blocks
+    every 64 tokens, a 4-token compressor state only the block ending at each 128-token
+    boundary, the ratio-128 state, which carries nothing, never). Candidates are taken at
+    multiples of the stride only: the others could never pass the run test.
+    """
+    lay = state_layout(plan)
+    gran = plan.prefix_granularity
+    out = []
+    for bt, win, reach in zip(lay.block_tokens, lay.is_window, lay.hit_reach, strict=True):
+        if not win:
+            out.append(bt)
+            continue
+        # The rule repeats with the granularity (a multiple of bt); three periods cover the
+        # clipped start.
+        ends = np.arange(1, 3 * gran // bt + 1) * bt
+        ok = ends // bt - 1 >= hit_run_start(bt, reach, gran, ends, xp=np)
+        out.append(int(np.gcd.reduce(ends[ok])) if ok.any() else 0)
+    return tuple(out)
+
+
+def publish_unit(plan: CachePlan) -> int:
+    """The gcd of every group's publish stride (static): the spacing of the ends whose lanes
+    publishing hashes (the granularity if no group publishes)."""
+    strides = [st for st in publish_strides(plan) if st]
+    return math.gcd(*strides) if strides else plan.prefix_granularity
+
+
+@functools.cache
+def admit_lanes_width(plan: CachePlan) -> int:
+    """Lanes per request slot in ``CacheState.admit_lanes`` (static): those a publish of up
+    to ``limits.max_count`` tokens reads, ``max_count // publish_unit + 1``; 0 when the
+    publish unit is 1 (lanes at every token: the admission's are not kept)."""
+    unit = publish_unit(plan)
+    return plan.limits.max_count // unit + 1 if unit > 1 else 0

@@ -50,9 +50,11 @@ from flatkv_jax.coordinator.batches import (
 )
 from flatkv_jax.coordinator.checks import check_batch, check_same_step, check_state_for_plan
 from flatkv_jax.coordinator.layout import (
+    admit_lanes_width,
     div_groups,
     pages_per_row,
     per_group,
+    publish_unit,
     resolve_max_count,
     state_layout,
 )
@@ -176,9 +178,15 @@ def admit_fn(
     )
     served = part.served
     if batch.tokens is None:
-        state = replace(state, keyed=set_rows(state.keyed, rows.s, served, False))
+        state = replace(
+            state,
+            keyed=set_rows(state.keyed, rows.s, served, False),
+            admit_hashed=set_rows(state.admit_hashed, rows.s, served, False),
+        )
     else:
-        state = _record_prefix_admission(plan, state, batch, rows.s, served, hit, match, listing)
+        state = _record_prefix_admission(
+            plan, state, batch, rows.s, served, hit, count, match, listing
+        )
     status = pick_status(
         Status.OK,
         (~batch.valid, Status.IDLE),
@@ -271,11 +279,13 @@ def _record_prefix_admission(
     s: jax.Array,
     served: jax.Array,
     hit: jax.Array,
+    count: jax.Array,
     m,
     listing,
 ) -> CacheState:
     """Served rows take their hit pages; window columns before the trailing run become holes;
-    the request's chain state, namespace and first step's tokens are recorded."""
+    the request's chain state, namespace and first step's tokens are recorded, and what the
+    publish of that step needs from the match's hashes (:func:`_admission_hashes`)."""
     lay = state_layout(plan)
     tokens = batch.tokens
     b = tokens.shape[0]
@@ -290,8 +300,17 @@ def _record_prefix_admission(
     t_w = plan.limits.max_count
     pos = jnp.clip(hit[:, None] + jnp.arange(t_w, dtype=_I32)[None, :], 0, tokens.shape[1] - 1)
     first_tokens = jnp.take_along_axis(tokens, pos, axis=1)
+    hashed, lanes, chain_end = _admission_hashes(plan, m.prompt, batch.prompt_len, hit, count)
+    hashed = served & hashed
+    if lanes is not None:
+        state = replace(
+            state,
+            admit_lanes=set_rows(state.admit_lanes, s, hashed, lanes),
+            admit_chain=set_rows(state.admit_chain, s, hashed, chain_end),
+        )
     return replace(
         state,
+        admit_hashed=set_rows(state.admit_hashed, s, served, hashed),
         lo=set_cols(state.lo, s, served, lo.T),
         chain=set_rows(state.chain, s, served, m.state),
         namespace=set_rows(state.namespace, s, served, ns),
@@ -301,6 +320,35 @@ def _record_prefix_admission(
             first_tokens, mode="drop"
         ),
     )
+
+
+def _admission_hashes(
+    plan: CachePlan,
+    ph: keys_lib.PromptHash,
+    prompt_len: jax.Array,
+    hit: jax.Array,
+    count: jax.Array,
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """What the publish of each row's first step ``(hit, count)`` needs, from the match's
+    hashes of the whole prompt: ``(ok bool[B], lanes uint32[B, N, LANES], chain uint32[B,
+    CHAIN_WORDS])``, the lanes and the chain state :func:`~flatkv_jax.prefix.keys.extend_chain`
+    would return for the step's tokens from the chain state at ``hit``.
+
+    ``ok`` where the step has tokens and the chain state at its end is exact (the end is the
+    prompt's length or a multiple of the hash's sub-unit: :func:`~flatkv_jax.prefix.keys.
+    chain_state`). ``(False, None, None)`` (static) where the state keeps no lanes (publish
+    unit 1) or the match's unit does not divide the publish unit."""
+    n = admit_lanes_width(plan)
+    unit = publish_unit(plan)
+    if n == 0 or unit % ph.unit or ph.lanes.shape[1] == 0:
+        return jnp.zeros_like(hit, dtype=bool), None, None
+    end = hit + count
+    ok = (count > 0) & ((end % ph.sub_unit == 0) | (end == prompt_len))
+    # extend_chain's entry j: the prefix ending at (start // unit + 1 + j) * unit, start = hit.
+    ends = (hit[:, None] // unit + 1 + jnp.arange(n, dtype=_I32)[None, :]) * unit
+    at = jnp.clip(ends // ph.unit - 1, 0, ph.lanes.shape[1] - 1)
+    lanes = jnp.take_along_axis(ph.lanes, at[:, :, None], axis=1)
+    return ok, lanes, keys_lib.chain_state(ph, end)
 
 
 def _start_requests(
@@ -593,8 +641,13 @@ def _retire(
         # committed block is offered once, here: a block whose key another page holds is
         # shared instead (publish_blocks), so a release has nothing left to publish.
         pub = commit & state.keyed[s] & (pending != 1 + ReleaseMode.ABORT) & (a > 0)
+        # The admission's step retired whole: its lanes and end state were kept at
+        # admission (only the first retire of a request pops that step; it clears the mark
+        # below whatever happens, so a later step never finds it).
+        fresh = state.admit_hashed[s] & (a == cnt)
         a = jnp.where(commit, a, 0)
-        state = publish_blocks(plan, state, s, pub, c_old, a, head, mc)
+        state = publish_blocks(plan, state, s, pub, c_old, a, head, mc, fresh)
+        state = replace(state, admit_hashed=set_rows(state.admit_hashed, s, go, False))
     state = replace(
         state,
         committed=set_rows(state.committed, s, go, c_new),

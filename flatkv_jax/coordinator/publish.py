@@ -11,10 +11,17 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from flatkv_jax.block_pool import decref, flat_ids, incref
-from flatkv_jax.coordinator.layout import div_groups, per_group, state_layout
+from flatkv_jax.coordinator.layout import (
+    admit_lanes_width,
+    div_groups,
+    hit_run_start,
+    per_group,
+    publish_strides,
+    publish_unit,
+    state_layout,
+)
 from flatkv_jax.coordinator.rows import ceil_div, replace, set_rows
 from flatkv_jax.coordinator.state import CacheState, pool_layout, table_size
 from flatkv_jax.plan import CachePlan
@@ -110,12 +117,18 @@ def publish_blocks(
     accepted: jax.Array,
     head: jax.Array,
     width: int,
+    fresh: jax.Array | None = None,
 ) -> CacheState:
     """Publishes the blocks completed in ``(c_old, c_old + accepted]`` of rows ``pub`` (their
     step's tokens, continued from the request's chain state ``S(c_old)``), and advances the
     chain to ``S(c_old + accepted)``. First publisher wins, rows in batch order, per row and
     group older blocks first. ``width`` (static) bounds ``accepted``: only that many of the
     step's token columns are hashed.
+
+    ``fresh`` (bool[B], optional): rows retiring their admission's step whole, whose lanes
+    and final chain state the admission kept (``CacheState.admit_hashed``). When every
+    publishing row is fresh, those are taken instead of hashing the step's tokens again (the
+    same words: the admission hashed the same tokens from position 0).
 
     A completed block whose key another page already holds (published earlier, or by an
     earlier row of this call) is **shared**: the row's table entry takes the holder page (+1
@@ -136,7 +149,7 @@ def publish_blocks(
 
     def write(st: CacheState) -> CacheState:
         if k >= b:
-            return _publish(plan, st, s, pub, c_old, accepted, head, width)
+            return _publish(plan, st, s, pub, c_old, accepted, head, width, fresh)
         a = jnp.where(pub, accepted, 0)
         u = math.gcd(publish_unit(plan), keys_lib.CHAIN_TOKENS)
         # A row needs lanes or a chain step only if its tokens reach a multiple of `u` (the
@@ -157,7 +170,10 @@ def publish_blocks(
         def one_pass(i, st):
             rows = jax.lax.dynamic_slice(order, (i * k,), (k,))
             j = jnp.clip(rows, 0, b - 1)
-            return _publish(plan, st, s[j], reach[j] & (rows < b), c_old[j], a[j], head[j], width)
+            fr = None if fresh is None else fresh[j]
+            return _publish(
+                plan, st, s[j], reach[j] & (rows < b), c_old[j], a[j], head[j], width, fr
+            )
 
         return jax.lax.fori_loop(0, ceil_div(jnp.sum(reach, dtype=_I32), k), one_pass, st)
 
@@ -184,25 +200,37 @@ def _publish(
     accepted: jax.Array,
     head: jax.Array,
     width: int,
+    fresh: jax.Array | None = None,
 ) -> CacheState:
     """:func:`publish_blocks` for every row of the batch."""
     a = jnp.where(pub, accepted, 0)
     ns = state.namespace[s]
-    toks = state.fifo_tokens[s, head, :width]
     # Only the `width` accepted-token columns are hashed (lanes [B, width, LANES]).
     # Lanes only at the ends a block can be published at (multiples of `unit`), not at every
     # token: a prefill's finishing mixes follow its blocks, not its tokens.
     unit = publish_unit(plan)
-    lanes, chain = keys_lib.extend_chain(
-        state.chain[s],
-        toks,
-        c_old,
-        a,
-        ns,
-        seed=state.key_seed,
-        unit=unit,
-        sub=keys_lib.Subkeys.from_words(state.subkeys[s]),
-    )
+
+    def hash_tokens(_):
+        return keys_lib.extend_chain(
+            state.chain[s],
+            state.fifo_tokens[s, head, :width],
+            c_old,
+            a,
+            ns,
+            seed=state.key_seed,
+            unit=unit,
+            sub=keys_lib.Subkeys.from_words(state.subkeys[s]),
+        )
+
+    n_lanes = width // unit + 1
+    if fresh is not None and width > 1 and 0 < n_lanes <= admit_lanes_width(plan):
+        # A prefill's retire: the admission hashed these tokens already (with the whole
+        # prompt, to match it) and kept the lanes at the same ends and the chain state at
+        # the step's end; a cond skips the hashing when every publishing row has them.
+        kept = (state.admit_lanes[s, :n_lanes], state.admit_chain[s])
+        lanes, chain = jax.lax.cond(jnp.all(fresh | ~pub), lambda _: kept, hash_tokens, None)
+    else:
+        lanes, chain = hash_tokens(None)
     state = replace(state, chain=set_rows(state.chain, s, pub, chain))
     runs = _runs_of_equal_blocks(plan, width)
     if not runs:  # no group ever publishes a block (only the chain advances)
@@ -323,55 +351,6 @@ class _Blocks(NamedTuple):
     page: jax.Array  # int32: the page the table holds there (the row's own page)
     valid: jax.Array  # bool: offered (a complete committed block whose page is not a hole)
     namespace: jax.Array  # the row's namespace, one per block
-
-
-def hit_run_start(block_tokens: int, reach: int, granularity: int, ends, xp=jnp):
-    """For a window group's block ending at ``ends``: the first block of the trailing run of
-    the nearest hit boundary at or after it (``h``, the next multiple of ``granularity``).
-
-    A match at ``h`` needs the blocks ``[max(0, (h - reach) // B), h / B)`` (``reach``: the
-    group's :attr:`~flatkv_jax.groups.GroupSpec.hit_reach`, ``W - 1`` for a sliding window);
-    later boundaries start their runs later still, so a block below this start is in no run
-    and no admission can ever read it from the index: it is not published (its page is
-    freed, not cached, when the request lets it go). ``xp``: ``jnp``, or ``np`` for static
-    ends (:func:`publish_strides`).
-    """
-    h = (ends + granularity - 1) // granularity * granularity
-    run = (h - reach) // block_tokens
-    return xp.maximum(run, 0)
-
-
-@functools.cache
-def publish_strides(plan: CachePlan) -> tuple[int, ...]:
-    """Per group (static): the spacing of the block ends it can ever publish, 0 if none.
-
-    A history group publishes every block (its span). A window group publishes only the
-    blocks of some boundary's trailing run (:func:`hit_run_start`); their ends repeat with
-    the granularity, and the stride is their gcd (V4: the sliding window's 64-token blocks
-    every 64 tokens, a 4-token compressor state only the block ending at each 128-token
-    boundary, the ratio-128 state, which carries nothing, never). Candidates are taken at
-    multiples of the stride only: the others could never pass the run test.
-    """
-    lay = state_layout(plan)
-    gran = plan.prefix_granularity
-    out = []
-    for bt, win, reach in zip(lay.block_tokens, lay.is_window, lay.hit_reach, strict=True):
-        if not win:
-            out.append(bt)
-            continue
-        # The rule repeats with the granularity (a multiple of bt); three periods cover the
-        # clipped start.
-        ends = np.arange(1, 3 * gran // bt + 1) * bt
-        ok = ends // bt - 1 >= hit_run_start(bt, reach, gran, ends, xp=np)
-        out.append(int(np.gcd.reduce(ends[ok])) if ok.any() else 0)
-    return tuple(out)
-
-
-def publish_unit(plan: CachePlan) -> int:
-    """The gcd of every group's publish stride (static): the spacing of the ends whose lanes
-    publishing hashes (the granularity if no group publishes)."""
-    strides = [st for st in publish_strides(plan) if st]
-    return math.gcd(*strides) if strides else plan.prefix_granularity
 
 
 def _runs_of_equal_blocks(plan: CachePlan, width: int) -> list[tuple[int, ...]]:

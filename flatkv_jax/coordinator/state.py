@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from flatkv_jax.block_pool import BlockPoolSet, create_block_pool_set
 from flatkv_jax.coordinator.layout import (
     StateLayout,
+    admit_lanes_width,
     pool_layout,
     state_layout,
     table_offset,
@@ -87,7 +88,7 @@ class PoolView(NamedTuple):
         "allocator", "table_buffer", "lo", "hi", "generation", "live", "pending", "extent",
         "committed", "fifo_start", "fifo_count", "fifo_cap", "fifo_head", "fifo_len",
         "index", "lru", "pinned", "chain", "namespace", "subkeys", "keyed", "fifo_tokens",
-        "key_seed",
+        "admit_hashed", "admit_lanes", "admit_chain", "key_seed",
     ],
     meta_fields=["layout"],
 )  # fmt: skip
@@ -128,6 +129,16 @@ class CacheState:
       keyed: ``bool[R]``, the request's committed tokens are known (it publishes).
       fifo_tokens: ``int32[R, D, T]``, the token ids of each in-flight step (``T = max(
         chunk_tokens, 1 + verify_width)``), published when the step retires.
+      admit_hashed: ``bool[R]``, the request's admission hashed its first step's tokens
+        (with the whole prompt, to match it) and kept what publishing them needs in
+        ``admit_lanes`` / ``admit_chain``: the retire of that step takes them instead of
+        hashing the tokens again (docs/coordinator.md, "Prefix reuse"). Cleared by the
+        request's first retire, whatever its outcome; set only by ``admit``.
+      admit_lanes: ``uint32[R, N, LANES]``, the lanes of the prefixes ending at ``(h // u +
+        1 + j) * u`` (``u``: the publish unit, ``h``: the hit, ``N = max_count // u + 1``;
+        ``N = 0`` when publishing hashes at every token), as
+        :func:`flatkv_jax.prefix.keys.extend_chain` returns them for the first step.
+      admit_chain: ``uint32[R, CHAIN_WORDS]``, the chain state at the end of the first step.
       key_seed: ``uint32[SEED_WORDS]``, the secret seed of every prefix key of this state
         (docs/prefix.md, "Threat model"); drawn from OS entropy unless ``create_state(seed=)``.
     """
@@ -154,6 +165,9 @@ class CacheState:
     subkeys: jax.Array
     keyed: jax.Array
     fifo_tokens: jax.Array
+    admit_hashed: jax.Array
+    admit_lanes: jax.Array
+    admit_chain: jax.Array
     key_seed: jax.Array
     layout: StateLayout
 
@@ -279,6 +293,9 @@ def create_state(
         subkeys=jnp.zeros((r, 3, LANES), jnp.uint32),
         keyed=jnp.zeros((r,), jnp.bool_),
         fifo_tokens=jnp.zeros((r, fifo_depth, width), _I32),
+        admit_hashed=jnp.zeros((r,), jnp.bool_),
+        admit_lanes=jnp.zeros((r, admit_lanes_width(plan) if prefix else 0, LANES), jnp.uint32),
+        admit_chain=jnp.zeros((r, CHAIN_WORDS), jnp.uint32),
         key_seed=jnp.asarray(new_seed() if seed is None else seed_words(seed)),
         layout=state_layout(plan),
     )

@@ -594,12 +594,14 @@ def _block_sums(sub: Subkeys, tokens: jax.Array, pos: jax.Array, mask: jax.Array
 
 
 def chain_state(ph: PromptHash, ends: jax.Array) -> jax.Array:
-    """The chain states ``(S_j, A_j(end))`` at ``ends`` (int32[B], multiples of ``ph.unit``,
-    ``0 <= end <= L``): ``uint32[B, CHAIN_WORDS]``, all zeros at ``end == 0``."""
+    """The chain states ``(S_j, A_j(end))`` at ``ends`` (int32[B], ``0 <= end <= L``):
+    ``uint32[B, CHAIN_WORDS]``, all zeros at ``end == 0``. Exact where ``end`` is a multiple
+    of ``ph.sub_unit`` or the prompt's length (:func:`chain_lanes` masked every token past it,
+    so the sum at the next ``sub_unit`` end is the sum at the length); junk elsewhere."""
     b = ph.heads.shape[0]
     j = jnp.clip(ends // CHAIN_TOKENS, 0, ph.heads.shape[1] - 1)
     s = jnp.take_along_axis(ph.heads, j[:, None, None], axis=1)[:, 0]
-    i = jnp.clip(ends // ph.sub_unit - 1, 0, ph.acc.shape[1] - 1)
+    i = jnp.clip(-(-ends // ph.sub_unit) - 1, 0, ph.acc.shape[1] - 1)
     a = jnp.take_along_axis(ph.acc, i[:, None, None], axis=1)[:, 0]
     a = jnp.where((ends % CHAIN_TOKENS != 0)[:, None], a, _U32(0))
     del b

@@ -174,12 +174,16 @@ class PrefixMatch:
         and taking the hit's pages walk these ``O(hit pages)`` entries instead of every table
         slot of ``pages`` (a window group with 4-token blocks has ``max_len / 4`` slots and
         at most ``need`` pages).
+      prompt: the hashes of every prompt (:func:`flatkv_jax.prefix.keys.chain_lanes` at
+        ``layout.unit``), from which the publish of the prompt's first step can take its
+        lanes instead of hashing the tokens again.
     """
 
     hit: jax.Array
     pages: tuple[jax.Array, ...]
     state: jax.Array
     listed: tuple[jax.Array, ...]
+    prompt: keys_lib.PromptHash
 
 
 def history_run(pages: jax.Array) -> jax.Array:
@@ -359,7 +363,7 @@ def match_prompts(
         listed.append(jnp.where((col >= 0) & (n_hit > 0), chosen, -1))
     state = keys_lib.chain_state(hashed, hit)
     state = jnp.where((hit > 0)[:, None], state, jnp.uint32(0))
-    return PrefixMatch(hit=hit, pages=tuple(out), state=state, listed=tuple(listed))
+    return PrefixMatch(hit=hit, pages=tuple(out), state=state, listed=tuple(listed), prompt=hashed)
 
 
 def _lookups(indexes, lanes, unit: int, lengths, namespace, wanted: dict) -> dict:

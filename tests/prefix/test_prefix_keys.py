@@ -496,3 +496,29 @@ def test_chain_lanes_of_a_batch_are_each_prompts_own(rows):
         )
         for a, b in ((batch.lanes, one.lanes), (batch.acc, one.acc), (batch.heads, one.heads)):
             np.testing.assert_array_equal(np.asarray(a)[r], np.asarray(b)[0])
+
+
+@pytest.mark.parametrize("unit", [4, 64])
+def test_chain_state_is_exact_at_the_prompt_length(rng, unit):
+    """``chain_state`` at a prompt's own length (not a multiple of the hash's sub-unit) is the
+    state ``extend_chain`` reaches over the same tokens: the hash masked every token past the
+    length, so the sum at the next sub-unit end is the sum at the length. Elsewhere between
+    sub-unit ends it is not (the docstring says junk): the test shows both."""
+    n = 600
+    t = rng.integers(0, 50_000, size=(2, n)).astype(np.int32)
+    ns = jnp.asarray([[3, 0], [9, 1]], jnp.uint32)
+    zero = jnp.zeros((2, K.CHAIN_WORDS), jnp.uint32)
+    for length in (1, 130, 257, 383, 599):
+        lens = jnp.full((2,), length, jnp.int32)
+        ph = chain_lanes(jnp.asarray(t), lens, ns, seed=SEED, unit=unit)
+        got = np.asarray(K.chain_state(ph, lens))
+        _, want = extend_chain(
+            zero, jnp.asarray(t), jnp.zeros((2,), jnp.int32), lens, ns, seed=SEED
+        )
+        np.testing.assert_array_equal(got, np.asarray(want))
+        if (length - 1) % ph.sub_unit:
+            inner = lens - 1  # inside the prompt, not a sub-unit end: the next end's sum
+            _, want_in = extend_chain(
+                zero, jnp.asarray(t), jnp.zeros((2,), jnp.int32), inner, ns, seed=SEED
+            )
+            assert not np.array_equal(np.asarray(K.chain_state(ph, inner)), np.asarray(want_in))
