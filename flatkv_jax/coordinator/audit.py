@@ -78,7 +78,9 @@ def check_state(plan: CachePlan, state: CacheState, *, shared_ok: bool = False) 
     table entry points at a free page, the null page or the scratch page; no page is in two
     requests' tables unless ``shared_ok``. Per request slot: a free slot's rows are all -1
     and its counters are 0; a live slot has ``c <= n``, a FIFO no deeper than ``fifo_depth``
-    and rows shaped ``0 * lo, pages * (hi - lo), -1 * rest`` with ``hi`` covering ``n``.
+    and rows shaped ``0 * lo, pages * (hi - lo), -1 * rest`` with ``hi`` covering ``n``; a
+    slot marked ``admit_hashed`` is live, keyed, and its admission's step is the FIFO's
+    unretired head (``fifo_head == 0``, ``fifo_start[s, 0] == c``).
     """
 
     def bad(msg: str):
@@ -167,3 +169,16 @@ def check_state(plan: CachePlan, state: CacheState, *, shared_ok: bool = False) 
             bad(f"free slot {s} has counters n={n[s]} c={c[s]} fifo={flen[s]} pending={pend[s]}")
         if live[s] and not (0 <= c[s] <= n[s] and 0 <= flen[s] <= state.fifo_depth):
             bad(f"slot {s}: c={c[s]} n={n[s]} fifo_len={flen[s]}")
+    # The admission's kept hashes (docs/coordinator.md, "The prefill is hashed once") belong
+    # to a live request whose first step is still the FIFO's head, unretired.
+    marked = np.asarray(state.admit_hashed)
+    head, start = np.asarray(state.fifo_head), np.asarray(state.fifo_start)
+    for s in np.flatnonzero(marked):
+        if not (
+            live[s] and state.keyed[s] and head[s] == 0 and flen[s] >= 1 and start[s, 0] == c[s]
+        ):
+            bad(
+                f"slot {s}: admit_hashed is set but the slot's first step is not the FIFO "
+                f"head (live={live[s]} head={head[s]} fifo_len={flen[s]} "
+                f"start={start[s, 0]} c={c[s]})"
+            )

@@ -23,7 +23,7 @@ import pytest
 from coordinator_cases import PLAN, snapshot
 
 from flatkv_jax import coordinator as coord
-from flatkv_jax.coordinator import host
+from flatkv_jax.coordinator import audit, host
 from flatkv_jax.coordinator.layout import admit_lanes_width, publish_unit
 from flatkv_jax.oracle import RadixOracle, TraceConfig, random_trace, run_trace
 from flatkv_jax.oracle.device_adapter import DeviceBackend
@@ -178,3 +178,24 @@ def test_a_state_with_a_wrong_hash_leaf_is_refused(shape):
     bad = dataclasses.replace(state, **{shape: leaf[:-1]})
     with pytest.raises(ValueError, match=rf"state\.{shape}.*retire.*create_state"):
         coord.retire(PLAN, bad, host.retire_batch(PLAN, [((0, 0), 1)]))
+
+
+def test_the_audit_checks_the_marks():
+    """``audit.check_state`` accepts a marked slot whose admission step is the FIFO head and
+    names the slot when a mark outlives it (a free slot marked, or a retired head)."""
+    plan = PLAN
+    state = coord.create_state(plan, seed=5)
+    state, res = coord.admit(
+        plan, state, host.admit_batch(plan, [(14, 14)], tokens=[list(range(1, 15))], width=64)
+    )
+    (h,) = host.handles(res, 1)
+    audit.check_state(plan, state)
+    free = int(np.flatnonzero(~np.asarray(state.live))[0])
+    stray = dataclasses.replace(state, admit_hashed=state.admit_hashed.at[free].set(True))
+    with pytest.raises(audit.StateInvariantError, match=rf"slot {free}: admit_hashed is set"):
+        audit.check_state(plan, stray)
+    state, _ = coord.retire(plan, state, host.retire_batch(plan, [(h, 14)]))
+    audit.check_state(plan, state)
+    stale = dataclasses.replace(state, admit_hashed=state.admit_hashed.at[h[0]].set(True))
+    with pytest.raises(audit.StateInvariantError, match=rf"slot {h[0]}: .*not the FIFO head"):
+        audit.check_state(plan, stale)
