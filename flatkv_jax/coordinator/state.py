@@ -244,8 +244,10 @@ def create_state(
     Returns:
       The state. Device bytes: the plan's table bytes plus about ``8 * num_pages`` per pool
       for the allocator and, with ``prefix``, about ``54 * num_pages`` per pool for the prefix
-      index and LRU and ``4 * max_requests * fifo_depth * max(chunk_tokens, 1 + verify_width)``
-      of step tokens.
+      index and LRU, ``4 * max_requests * fifo_depth * max(chunk_tokens, 1 + verify_width)``
+      of step tokens and ``16 * max_requests * (max_count / publish_unit + 1)`` of the
+      admissions' kept hash lanes (``admit_lanes``; V4-Flash at 4,096-token chunks: 1 KB a
+      slot).
 
     Raises:
       ValueError/TypeError: a bad ``fifo_depth``, ``prefix`` or ``seed``.
