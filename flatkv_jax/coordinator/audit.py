@@ -171,12 +171,10 @@ def check_state(plan: CachePlan, state: CacheState, *, shared_ok: bool = False) 
             bad(f"slot {s}: c={c[s]} n={n[s]} fifo_len={flen[s]}")
     # The admission's kept hashes (docs/coordinator.md, "The prefill is hashed once") belong
     # to a live request whose first step is still the FIFO's head, unretired.
-    marked = np.asarray(state.admit_hashed)
+    marked, keyed = np.asarray(state.admit_hashed), np.asarray(state.keyed)
     head, start = np.asarray(state.fifo_head), np.asarray(state.fifo_start)
     for s in np.flatnonzero(marked):
-        if not (
-            live[s] and state.keyed[s] and head[s] == 0 and flen[s] >= 1 and start[s, 0] == c[s]
-        ):
+        if not (live[s] and keyed[s] and head[s] == 0 and flen[s] >= 1 and start[s, 0] == c[s]):
             bad(
                 f"slot {s}: admit_hashed is set but the slot's first step is not the FIFO "
                 f"head (live={live[s]} head={head[s]} fifo_len={flen[s]} "
