@@ -132,8 +132,9 @@ class CacheState:
       admit_hashed: ``bool[R]``, the request's admission hashed its first step's tokens
         (with the whole prompt, to match it) and kept what publishing them needs in
         ``admit_lanes`` / ``admit_chain``: the retire of that step takes them instead of
-        hashing the tokens again (docs/coordinator.md, "Prefix reuse"). Cleared by the
-        request's first retire, whatever its outcome; set only by ``admit``.
+        hashing the tokens again (docs/coordinator.md, "The prefill is hashed once").
+        Cleared by the request's first retire, whatever its outcome (and by a release); set
+        only by ``admit``.
       admit_lanes: ``uint32[R, N, LANES]``, the lanes of the prefixes ending at ``(h // u +
         1 + j) * u`` (``u``: the publish unit, ``h``: the hit, ``N = max_count // u + 1``;
         ``N = 0`` when publishing hashes at every token), as
