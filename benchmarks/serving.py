@@ -14,8 +14,9 @@ Run::
     python benchmarks/serving.py --batch 8 --new 16   # one batch size, shorter decode
     python benchmarks/serving.py --tiny               # smoke settings (seconds)
 
-Prints one row per B: steps, host ms/step, device ms/step (sync), tokens/s (sync, overlap:
-prompt + generated tokens per second), draft acceptance and retractions.
+Prints one row per B: steps, steps run as the decode-only (narrow) step kind, host ms/step,
+device ms/step (sync), tokens/s (sync, overlap: prompt + generated tokens per second), draft
+acceptance and retractions.
 """
 
 from __future__ import annotations
@@ -76,10 +77,10 @@ def main() -> None:
     print(f"# prompt {args.prompt}, new {args.new}, chunk {args.chunk}, verify {verify}, "
           f"prefix cache {not args.no_prefix}")  # fmt: skip
     print(
-        "| B | steps | host ms/step | device ms/step | tok/s sync | tok/s overlap | accept "
-        "| retracted |"
+        "| B | steps | narrow | host ms/step | device ms/step | tok/s sync | tok/s overlap "
+        "| accept | retracted |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     rng = np.random.default_rng(0)
     for b in args.batch:
         plan = make_plan(cfg, b, args.prompt + args.new, args.chunk, verify)
@@ -96,7 +97,8 @@ def main() -> None:
         device = max(0.0, st.wall_s - st.host_s) / st.steps
         assert over.stats.compilations_after_warmup == 0
         print(
-            f"| {b} | {st.steps} | {host * 1e3:.2f} | {device * 1e3:.2f} | "
+            f"| {b} | {st.steps} | {getattr(st, 'narrow_steps', 0)} | {host * 1e3:.2f} | "
+            f"{device * 1e3:.2f} | "
             f"{tokens / sync_wall:.0f} | {tokens / over_wall:.0f} | "
             f"{over.stats.accept_rate:.2f} | {over.stats.retractions} |"
         )

@@ -167,6 +167,12 @@ class StepKind:
       impl: kernel implementation (``kernels_pallas.Impl`` value).
       interpret: Pallas interpret mode (CPU), forwarded when the model accepts it.
       keep_logits: return the logits each emitted token was sampled from.
+      narrow: a decode-only step: every row it schedules and every step it retires holds at
+        most ``1 + num_draft`` tokens (no admission, no prefill chunk wider than that), so
+        extend, retire, the metadata and the model run at ``max_count = 1 + num_draft``
+        instead of the plan's ``max_count``. The host picks it only when that holds
+        (:class:`~flatkv_jax.serving.engine.Engine`); it costs what the batch holds, not
+        ``max_requests x chunk_tokens``.
     """
 
     num_draft: int
@@ -175,6 +181,7 @@ class StepKind:
     impl: str
     interpret: bool
     keep_logits: bool
+    narrow: bool = False
 
 
 @functools.cache
@@ -236,7 +243,16 @@ def create_lanes_sharded(plan: CachePlan, hidden: int, mesh: Mesh) -> Lanes:
 def step_body(graphdef, plan: CachePlan, kind: StepKind):
     """The un-jitted single-rank step function (see :func:`build_step`)."""
     k = kind.num_draft
-    mc = resolve_max_count(plan, None)
+    if kind.narrow and kind.admit:
+        raise ValueError(
+            f"StepKind(narrow=True, admit=True) is invalid: {kind}: an admission schedules a "
+            "first chunk wider than a decode row. Fix: pass narrow=False for admitting steps"
+        )
+    # A decode-only step's rows and the rows it retires hold at most 1 + k tokens: every
+    # width below (token columns, pages per row, hashed columns, window columns) follows the
+    # batch, not chunk_tokens (B = 256, chunk 4,096 on V4-Flash: ~1 ms against ~30 ms of
+    # coordinator work on XLA:CPU, docs/benchmarks.md).
+    mc = resolve_max_count(plan, 1 + k if kind.narrow else None)
     lim = plan.limits
     r, t_len, d = lim.max_requests, lim.step_tokens, 1 + k
     width = seq_width(plan)

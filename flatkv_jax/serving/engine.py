@@ -68,7 +68,10 @@ class EngineOptions:
       record_ops: keep :attr:`Engine.op_log`, the coordinator operations in the order they ran.
       keep_logits: keep, per request, the logits each generated token was sampled from.
       split_steps: compile a second step kind without the admission code for the steps that
-        admit nothing (cheaper per decode step; one more compilation).
+        admit nothing, and a third, decode-only kind for the steps in which no row holds more
+        than a decode row's ``1 + verify_width`` tokens, nor did any row of the step they
+        retire: its extend, retire, metadata and model run at that width, not
+        ``chunk_tokens`` (cheaper per step; up to two more compilations).
       devices: data-parallel ranks (one per device of a mesh over the first ``devices``
         devices). Each rank has its own coordinator state, pool slice, lanes and scheduler;
         one jitted step runs every rank's step at once (docs/routing.md). 1 (default): the
@@ -212,6 +215,8 @@ class EngineStats:
       retractions, pages_zeroed, draft_proposed, draft_accepted: counts.
       compilations: jit cache entries of the engine's step functions (one per step kind used).
       compilations_after_warmup: entries beyond one per step kind (must stay 0).
+      narrow_steps: steps run as the decode-only kind (``split_steps=True``: no admission and
+        nothing wider than a decode row scheduled in the step or in the step it retires).
       group_names: the plan's groups (order of the per-group tuples).
       usable_pages: per group (on several ranks: the total over ranks).
       occupancy: per step, pages in use per group (on several ranks: summed over ranks;
@@ -231,6 +236,7 @@ class EngineStats:
     draft_accepted: int = 0
     compilations: int = 0
     compilations_after_warmup: int = 0
+    narrow_steps: int = 0
     group_names: tuple[str, ...] = ()
     usable_pages: tuple[int, ...] = ()
     occupancy: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
@@ -291,6 +297,7 @@ class _Prepared:
     admit_pages: np.ndarray
     t0: float
     host_s: float
+    small: bool  # nothing scheduled wider than a decode row (no admission either)
 
 
 class _SharedReport:
@@ -510,7 +517,14 @@ class Engine:
         )
         self.graphdef, self.weights = nnx.split(model)
         self.mesh = mesh = _resolve_mesh(mesh, options.devices)
-        kinds = {False: base, True: dataclasses.replace(base, admit=True)}
+        # Keyed (admit, narrow). A decode-only step (nothing wider than a decode row in it or
+        # in the step it retires) runs at max_count = 1 + k: its cost follows the batch, not
+        # chunk_tokens. Each kind compiles on first use.
+        kinds = {
+            (False, False): base,
+            (True, False): dataclasses.replace(base, admit=True),
+            (False, True): dataclasses.replace(base, narrow=True),
+        }
         if mesh is None:
             self._fns = {a: build_step(self.graphdef, plan, kd) for a, kd in kinds.items()}
         else:
@@ -583,6 +597,7 @@ class Engine:
         self._waiting: list[int] = []  # rids, kept sorted by arrival
         self._releases: list[tuple[int, int, ReleaseMode]] = []
         self._inflight: list[_Dispatched] = []
+        self._prev_small = True  # the last dispatched step scheduled only decode rows
         self._last_lanes: dict[int, int] = {}  # lanes of the last dispatched step
         self._arrivals = 0
         self._admissions = 0
@@ -704,13 +719,29 @@ class Engine:
         """Rank ``rank``'s pool slice (host view; for audits and tests)."""
         return self._rank_view(self.pools, rank)
 
-    def step_hlo(self, admit: bool = True) -> str:
+    def step_hlo(self, admit: bool = True, *, narrow: bool = False) -> str:
         """The compiled HLO text of one step kind (for audits, e.g. that a sharded step has
         no collective). Free once that kind has run: the compilation is cached.
 
         Args:
           admit: the kind with the admission code (the only kind with ``split_steps=False``).
+          narrow: the decode-only kind (``max_count`` = 1 + the drafts per step; not with
+            ``admit``; only used with ``split_steps=True``).
         """
+        return self.compiled_step(admit, narrow=narrow).as_text()
+
+    def compiled_step(self, admit: bool = True, *, narrow: bool = False) -> jax.stages.Compiled:
+        """One step kind, compiled (for audits: ``cost_analysis()``, ``memory_analysis()``).
+
+        Args:
+          admit, narrow: the kind, as in :meth:`step_hlo`.
+
+        Raises:
+          ValueError: ``admit`` and ``narrow`` both True (no such kind).
+        """
+        if admit and narrow:
+            fail("narrow", narrow, "an admitting step is never a narrow (decode-only) one",
+                 "pass admit=False with narrow=True")  # fmt: skip
         lim = self.plan.limits
         r = lim.max_requests
         neg = np.full((r,), -1, np.int32)
@@ -726,9 +757,8 @@ class Engine:
             inputs, adm = jax.device_put(
                 stacked, NamedSharding(self.mesh, P(self.mesh.axis_names[0]))
             )
-        fn = self._fns[admit]
-        lowered = fn.lower(self.weights, self.pools, self.state, self.lanes, inputs, adm)
-        return lowered.compile().as_text()
+        fn = self._fns[admit, narrow]
+        return fn.lower(self.weights, self.pools, self.state, self.lanes, inputs, adm).compile()
 
     def _rank_view(self, tree, rank: int):
         if not isinstance(rank, int) or not 0 <= rank < len(self._ranks):
@@ -860,7 +890,14 @@ class Engine:
         admission), so the step only releases, retires and reclaims."""
         preps = [rk._prepare(drain) for rk in self._ranks]
         kind = any(p.with_admit for p in preps) or not self.options.split_steps
-        fn = self._fns[kind]
+        # Narrow (decode-only) when no rank schedules more than a decode row now and none did
+        # in the step this one retires (its accepted counts bound the retire's width).
+        small = all(p.small for p in preps)
+        narrow = self.options.split_steps and not kind and small and self._prev_small
+        self._prev_small = small
+        if narrow:
+            self.stats.narrow_steps += 1
+        fn = self._fns[kind, narrow]
         if self.mesh is None:
             (p,) = preps
             adm = (p.adm if p.adm is not None else self._no_admits) if kind else None
@@ -958,6 +995,7 @@ class Engine:
             admit_pages=admit_pages,
             t0=t0,
             host_s=time.perf_counter() - t0,
+            small=not with_admit and int(a.max(initial=0)) <= 1 + self.k,
         )
 
     def _commit(self, p: _Prepared, report) -> None:

@@ -193,7 +193,9 @@ def test_no_compilation_after_warmup():
     aborted()  # prefill, decode, MTP, preemption, prefix hits and aborts have all run
     for engine in (full()[0], base()[0]):
         assert engine.stats.compilations_after_warmup == 0
-    assert base()[0].stats.compilations == 2  # split steps: with and without admission
+    # split steps: with admission, without, and decode-only (narrow)
+    assert base()[0].stats.compilations == 3
+    assert base()[0].stats.narrow_steps > 0
     assert full()[0].stats.compilations == 1
 
 
@@ -278,24 +280,35 @@ class EchoDraft(DeepSeekV4):
         return dataclasses.replace(out, tokens=tokens.astype(jnp.int32)), pools
 
 
-def test_speculative_acceptance_keeps_outputs_and_publishes_accepted_drafts():
+def serve_echo(options: EngineOptions):
+    """Three requests on :class:`EchoDraft` under ``options``, every token checked against its
+    counting rule; returns the engine and a generator for later prompts."""
     cfg, plan, _ = setup()
     model = EchoDraft.from_params(cfg, init_params(cfg, 1))
-    engine = Engine(model, plan, EngineOptions(split_steps=False))
+    engine = Engine(model, plan, options)
     rng = np.random.default_rng(11)
     requests = [(rng.integers(0, 64, n).tolist(), m) for n, m in ((7, 20), (12, 9), (3, 25))]
     got = serve(engine, requests)
     for (prompt, m), toks in zip(requests, got, strict=True):
         assert list(toks) == [(prompt[-1] + 1 + j) % 64 for j in range(m)]
-    st = engine.stats
-    assert 0 < st.draft_accepted < st.draft_proposed
-    # Accepted drafts are published with the right tokens: a prompt that continues a
-    # finished request hits its generated tokens too (served alone: nothing evicts them).
+    return engine, rng
+
+
+def serve_continuation(engine: Engine, rng) -> None:
+    """Accepted drafts are published with the right tokens: a prompt that continues a
+    finished request hits its generated tokens too (served alone: nothing evicts them)."""
     prompt = rng.integers(0, 64, 3).tolist()
     (gen,) = serve(engine, [(prompt, 25)])
     seq = list(prompt) + list(gen)
     (more,) = serve(engine, [(seq, 4)])
     assert engine.outputs[max(engine.outputs)].hit_tokens == 16
     assert list(more) == [(seq[-1] + 1 + j) % 64 for j in range(4)]
+
+
+def test_speculative_acceptance_keeps_outputs_and_publishes_accepted_drafts():
+    engine, rng = serve_echo(EngineOptions(split_steps=False))
+    st = engine.stats
+    assert 0 < st.draft_accepted < st.draft_proposed
+    serve_continuation(engine, rng)
     assert_whole(engine)
     assert st.compilations_after_warmup == 0
