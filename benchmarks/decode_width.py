@@ -27,6 +27,7 @@ import ab_compiled
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _platform import add_platform_argument, use_platform
 
 from flatkv_jax.compile_options import COORDINATOR_COMPILER_OPTIONS
 from flatkv_jax.coordinator import ops
@@ -77,7 +78,9 @@ def main() -> None:
     ap.add_argument("--states", type=int, default=4, help="decode states captured")
     ap.add_argument("--repeats", type=int, default=5, help="timed calls per state and width")
     ap.add_argument("--peer", default=None, help="vllm_kv_bench.py (default: vs_vllm's)")
+    add_platform_argument(ap)
     args = ap.parse_args()
+    device = use_platform(args.platform)
     vs = ab_compiled._import_vs_vllm()
     run = ab_compiled._make_run(vs, args, evict_ahead_tokens=16)
     limit = run.plan.limits.max_count
@@ -104,7 +107,7 @@ def main() -> None:
                 us[w].append((time.perf_counter() - t) * 1e6)
     rows = int(np.mean([int(p[0].sum()) for _, p in got]))
     print(
-        f"{os.cpu_count()} CPUs, jax {jax.__version__}, B = {args.batch}, {len(got)} decode "
+        f"{device}, {os.cpu_count()} CPUs, jax {jax.__version__}, B = {args.batch}, {len(got)} decode "
         f"states (~{rows} running lanes), {args.repeats} calls each"
     )
     first = us[args.widths[0]]

@@ -34,7 +34,8 @@ def test_narrow_steps_run_and_keep_every_token():
     st = engine.stats
     assert 0 < st.narrow_steps < st.steps
     assert 0 < st.draft_accepted < st.draft_proposed
-    assert st.compilations == 3 and st.compilations_after_warmup == 0
+    # (Kinds compiled by an earlier engine of this module are shared: no exact count here.)
+    assert st.compilations_after_warmup == 0
     assert_whole(engine)
 
 
