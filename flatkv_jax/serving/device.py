@@ -107,7 +107,8 @@ class StepInputs:
 
 @_dataclass
 class AdmitInputs:
-    """Admissions of one step, rows in arrival order (``[R]`` each, ``tokens [R, C]``).
+    """Admissions of one step, rows in arrival order (``[A]`` each, ``tokens [A, C]``; ``A``:
+    the engine's admission rows, at most ``max_requests``; ``C = max_context``).
 
     Attributes:
       lane: the lane each row takes (-1 padding).
@@ -341,7 +342,9 @@ def step_body(graphdef, plan: CachePlan, kind: StepKind):
             idx = jnp.where(av, adm.lane, r)
             slot = slot.at[idx].set(jnp.where(aok, ar.slot, -1), mode="drop")
             gen = gen.at[idx].set(ar.generation, mode="drop")
-            toks = jnp.zeros((r, width), _I32).at[:, : adm.tokens.shape[1]].set(adm.tokens)
+            toks = (
+                jnp.zeros((av.shape[0], width), _I32).at[:, : adm.tokens.shape[1]].set(adm.tokens)
+            )
             seq = seq.at[idx].set(toks, mode="drop")
             prompt_len = prompt_len.at[idx].set(adm.prompt_len, mode="drop")
             remaining = remaining.at[idx].set(adm.remaining, mode="drop")

@@ -82,6 +82,10 @@ class EngineOptions:
       affinity_slack: with ``"affinity"``, how many more outstanding requests the affinity
         rank may have than the least-loaded rank before the request goes elsewhere (a routing
         miss); None = ``max_requests``.
+      admit_rows: the most requests one step admits (per rank): the admitting step's batch has
+        this many rows of ``max_context`` prompt tokens, and matching hashes every row, so its
+        cost follows ``admit_rows x max_context``, not ``max_requests x max_context``. None =
+        ``min(max_requests, 16)``. Further waiting requests are admitted in later steps.
     """
 
     impl: str = "reference"
@@ -97,6 +101,7 @@ class EngineOptions:
     devices: int = 1
     routing: str = "affinity"
     affinity_slack: int | None = None
+    admit_rows: int | None = None
 
     def __post_init__(self):
         if self.impl not in _IMPLS:
@@ -128,6 +133,14 @@ class EngineOptions:
         ):
             fail("affinity_slack", self.affinity_slack, "it must be an int >= 0 or None",
                  "pass e.g. affinity_slack=4")  # fmt: skip
+        if self.admit_rows is not None:
+            if isinstance(self.admit_rows, bool) or not isinstance(self.admit_rows, int):
+                fail("admit_rows", self.admit_rows, "it must be an int or None",
+                     "pass e.g. admit_rows=8, or None for min(max_requests, 16)",
+                     exc=TypeError)  # fmt: skip
+            if self.admit_rows < 1:
+                fail("admit_rows", self.admit_rows, "a step must be able to admit a request",
+                     "pass admit_rows >= 1, or None for min(max_requests, 16)")  # fmt: skip
         if not isinstance(self.fifo_depth, int) or self.fifo_depth < 2:
             fail(
                 "fifo_depth",
@@ -450,6 +463,13 @@ def _resolve_mesh(mesh, devices: int):
     return mesh
 
 
+def _admit_rows(plan: CachePlan, options: EngineOptions) -> int:
+    """Rows of the admitting step's batch: ``options.admit_rows`` (at most ``max_requests``),
+    default ``min(max_requests, 16)``."""
+    r = plan.limits.max_requests
+    return min(r, 16 if options.admit_rows is None else options.admit_rows)
+
+
 class Engine:
     """Continuous batching over a flax model, its cache plan and the coordinator.
 
@@ -503,6 +523,7 @@ class Engine:
         self.cfg = model.cfg
         self.k = lim.verify_width if options.mtp else 0
         self.mc = resolve_max_count(plan, None)
+        self.admit_rows = _admit_rows(plan, options)
         interpret = options.interpret
         if interpret is None:
             interpret = jax.default_backend() == "cpu"
@@ -571,7 +592,8 @@ class Engine:
         """A host-only scheduler for one rank of a sharded engine (no device arrays of its
         own: the parent dispatches every rank's inputs in one sharded step)."""
         child = object.__new__(Engine)
-        for name in ("plan", "options", "model", "cfg", "k", "mc", "graphdef", "_block"):
+        for name in ("plan", "options", "model", "cfg", "k", "mc", "admit_rows", "graphdef",
+                     "_block"):  # fmt: skip
             setattr(child, name, getattr(self, name))
         child.weights = child.state = child.pools = child.lanes = child.mesh = None
         child._fns, child._cache0 = {}, {}
@@ -587,8 +609,10 @@ class Engine:
         r = lim.max_requests
         none = np.full((r,), -1, np.int32)
         zeros = np.zeros((r,), np.int32)
+        a = self.admit_rows
+        none_a, zeros_a = none[:a], zeros[:a]
         self._no_admits = AdmitInputs(
-            none, zeros, zeros, zeros, zeros, np.zeros((r, lim.max_context), np.int32)
+            none_a, zeros_a, zeros_a, zeros_a, zeros_a, np.zeros((a, lim.max_context), np.int32)
         )
         self._sleeping: Sleeping | None = None
         self._free_lanes = list(range(r))
@@ -870,7 +894,7 @@ class Engine:
         reserve = len(running)
         admit_pages = np.zeros_like(supply)
         for rid in list(self._waiting):
-            if budget < 1 or len(admits) >= len(self._free_lanes):
+            if budget < 1 or len(admits) >= min(len(self._free_lanes), self.admit_rows):
                 break
             q = self._requests[rid]
             plen = len(q.seq)
@@ -966,9 +990,12 @@ class Engine:
         with_admit = bool(admits)
         adm = None
         if with_admit:
-            cols = {n: np.zeros(r, np.int32) for n in ("lane", "plen", "first", "rem", "ns")}
+            cols = {
+                n: np.zeros(self.admit_rows, np.int32)
+                for n in ("lane", "plen", "first", "rem", "ns")
+            }
             cols["lane"][:] = -1
-            toks = np.zeros((r, lim.max_context), np.int32)
+            toks = np.zeros((self.admit_rows, lim.max_context), np.int32)
             for i, (q, first) in enumerate(admits):
                 lane = self._free_lanes.pop(0)
                 seq = q.seq
