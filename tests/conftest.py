@@ -77,6 +77,7 @@ _WEIGHT = {
     "tests/oracle": 1000,
     "tests/prefix": 950,
     "tests/demo": 410,
+    "tests/serving_kinds": 300,
     "tests/test_notebooks.py::test_notebook_runs[serving_experiment.ipynb]": 280,
     "tests/sharding": 240,
     "tests/test_docs_examples.py::test_page_examples_run[serving.md]": 240,

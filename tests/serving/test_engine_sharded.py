@@ -1,9 +1,9 @@
 """The serving engine on several data-parallel ranks (the tests run on 8 host CPU devices).
 
-Two step compilations for most tests: the 1-device engine and the 2-rank sharded engine
-(prefix cache on, MTP off, one step kind); every other engine here reuses one of them (the
-step function is cached per model graph, plan, kind and mesh), which the compile counters
-check. One test runs the 2-rank engine with split step kinds (up to three more).
+Two step compilations in all: the 1-device engine and the 2-rank sharded engine (prefix
+cache on, MTP off, one step kind); every other engine here reuses one of them (the step
+function is cached per model graph, plan, kind and mesh), which the compile counters check.
+(The 2-rank engine with split step kinds is tested in tests/serving_kinds.)
 
 The workload has two phases so that prefixes are cached before they are asked for: phase 1
 serves one request per tenant; phase 2 sends two more requests of tenant 0, one of tenant 1,
@@ -237,17 +237,3 @@ def test_bad_options_name_the_fix():
         engine.rank_state(2)
     with pytest.raises(ValueError, match=r"request_id=99 "):
         engine.rank_of(99)
-
-
-def test_split_step_kinds_on_two_ranks():
-    """With split step kinds the ranks run decode-only (narrow) steps together when no rank
-    schedules or retires more than a decode row; the tokens are the single-device engine's."""
-    plan, model = setup()
-    opts = {**OPTS, "split_steps": True}
-    engine = Engine(model, plan, EngineOptions(devices=2, **opts))
-    serve(engine)
-    assert tokens(engine) == tokens(single())
-    assert 0 < engine.stats.narrow_steps < engine.stats.steps
-    assert engine.stats.compilations_after_warmup == 0
-    for r in range(engine.ranks):
-        check_state(plan, engine.rank_state(r), shared_ok=True)
