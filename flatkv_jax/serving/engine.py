@@ -26,7 +26,7 @@ from flatkv_jax.coordinator.sleep import Sleeping, SleepMode, in_flight_slots
 from flatkv_jax.coordinator.sleep import sleep as sleep_cache
 from flatkv_jax.coordinator.sleep import wake as wake_cache
 from flatkv_jax.coordinator.state import CacheState, create_state
-from flatkv_jax.errors import fail
+from flatkv_jax.errors import check_positive_int, fail
 from flatkv_jax.plan import CachePlan, check_plan
 from flatkv_jax.pools import Pools, create_pools
 from flatkv_jax.serving.device import (
@@ -134,13 +134,11 @@ class EngineOptions:
             fail("affinity_slack", self.affinity_slack, "it must be an int >= 0 or None",
                  "pass e.g. affinity_slack=4")  # fmt: skip
         if self.admit_rows is not None:
-            if isinstance(self.admit_rows, bool) or not isinstance(self.admit_rows, int):
-                fail("admit_rows", self.admit_rows, "it must be an int or None",
-                     "pass e.g. admit_rows=8, or None for min(max_requests, 16)",
-                     exc=TypeError)  # fmt: skip
-            if self.admit_rows < 1:
-                fail("admit_rows", self.admit_rows, "a step must be able to admit a request",
-                     "pass admit_rows >= 1, or None for min(max_requests, 16)")  # fmt: skip
+            check_positive_int(
+                "admit_rows",
+                self.admit_rows,
+                "pass admit_rows >= 1, or None for min(max_requests, 16)",
+            )
         if not isinstance(self.fifo_depth, int) or self.fifo_depth < 2:
             fail(
                 "fifo_depth",
@@ -467,7 +465,7 @@ def _admit_rows(plan: CachePlan, options: EngineOptions) -> int:
     """Rows of the admitting step's batch: ``options.admit_rows`` (at most ``max_requests``),
     default ``min(max_requests, 16)``."""
     r = plan.limits.max_requests
-    return min(r, 16 if options.admit_rows is None else options.admit_rows)
+    return min(r, 16 if options.admit_rows is None else int(options.admit_rows))
 
 
 class Engine:
@@ -607,12 +605,10 @@ class Engine:
         """The host-side scheduler state (per rank)."""
         plan, lim = self.plan, self.plan.limits
         r = lim.max_requests
-        none = np.full((r,), -1, np.int32)
-        zeros = np.zeros((r,), np.int32)
         a = self.admit_rows
-        none_a, zeros_a = none[:a], zeros[:a]
+        none, zeros = np.full((a,), -1, np.int32), np.zeros((a,), np.int32)
         self._no_admits = AdmitInputs(
-            none_a, zeros_a, zeros_a, zeros_a, zeros_a, np.zeros((a, lim.max_context), np.int32)
+            none, zeros, zeros, zeros, zeros, np.zeros((a, lim.max_context), np.int32)
         )
         self._sleeping: Sleeping | None = None
         self._free_lanes = list(range(r))

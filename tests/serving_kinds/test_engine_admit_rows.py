@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from test_engine import assert_whole, base, serve, setup, workload
 
@@ -58,11 +59,20 @@ def test_admission_cost_follows_admit_rows():
 @pytest.mark.parametrize(
     "value, exc, message",
     [
-        (0, ValueError, r"admit_rows=0 is invalid: a step must be able to admit a request"),
-        (True, TypeError, r"admit_rows=True is invalid: it must be an int or None"),
-        (2.5, TypeError, r"admit_rows=2\.5 is invalid: it must be an int or None"),
+        (
+            0,
+            ValueError,
+            r"admit_rows=0 is invalid: it must be positive\. Fix: pass admit_rows >= 1",
+        ),
+        (True, TypeError, r"admit_rows=True is invalid: it must be an int\. Fix"),
+        (2.5, TypeError, r"admit_rows=2\.5 is invalid: it must be an int\. Fix"),
     ],
 )
 def test_admit_rows_errors(value, exc, message):
     with pytest.raises(exc, match=message):
         EngineOptions(admit_rows=value)
+
+
+def test_admit_rows_takes_numpy_ints():
+    """The library's size rule (errors.is_int): NumPy integers count, bools do not."""
+    assert EngineOptions(admit_rows=np.int64(2)).admit_rows == 2
