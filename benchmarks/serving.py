@@ -96,6 +96,8 @@ def main() -> None:
         host = st.host_s / st.steps
         device = max(0.0, st.wall_s - st.host_s) / st.steps
         assert over.stats.compilations_after_warmup == 0
+        # getattr: the script also times older trees from a worktree (PYTHONPATH), whose
+        # EngineStats have no narrow_steps (docs/benchmarks.md compares them side by side).
         print(
             f"| {b} | {st.steps} | {getattr(st, 'narrow_steps', 0)} | {host * 1e3:.2f} | "
             f"{device * 1e3:.2f} | "
