@@ -14,9 +14,11 @@ Run::
     python benchmarks/serving.py --batch 8 --new 16   # one batch size, shorter decode
     python benchmarks/serving.py --tiny               # smoke settings (seconds)
 
-Prints one row per B: steps, steps run as the decode-only (narrow) step kind, host ms/step,
-device ms/step (sync), tokens/s (sync, overlap: prompt + generated tokens per second), draft
-acceptance and retractions.
+Prints one row per B (and per ``--prefill-rows`` value: ``EngineOptions.prefill_rows``, the
+rows of a mixed step's wide call; ``--prefill-rows 16 128`` at ``--batch 128`` compares split
+mixed steps with unsplit ones side by side): steps, steps run as the decode-only (narrow) step
+kind, host ms/step, device ms/step (sync), tokens/s (sync, overlap: prompt + generated tokens
+per second), draft acceptance and retractions.
 """
 
 from __future__ import annotations
@@ -64,6 +66,13 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=32)
     ap.add_argument("--no-mtp", action="store_true")
     ap.add_argument("--no-prefix", action="store_true")
+    ap.add_argument(
+        "--prefill-rows",
+        type=int,
+        nargs="*",
+        default=[None],
+        help="EngineOptions.prefill_rows values, one row each (default: the engine's)",
+    )
     ap.add_argument("--tiny", action="store_true", help="smoke settings: B=4, short requests")
     add_platform_argument(ap)
     args = ap.parse_args()
@@ -77,33 +86,37 @@ def main() -> None:
     print(f"# prompt {args.prompt}, new {args.new}, chunk {args.chunk}, verify {verify}, "
           f"prefix cache {not args.no_prefix}")  # fmt: skip
     print(
-        "| B | steps | narrow | host ms/step | device ms/step | tok/s sync | tok/s overlap "
-        "| accept | retracted |"
+        "| B | prefill rows | steps | narrow | host ms/step | device ms/step | tok/s sync "
+        "| tok/s overlap | accept | retracted |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     rng = np.random.default_rng(0)
     for b in args.batch:
         plan = make_plan(cfg, b, args.prompt + args.new, args.chunk, verify)
         requests = [
             (rng.integers(0, cfg.vocab, args.prompt).tolist(), args.new) for _ in range(2 * b)
         ]
-        opts = dict(mtp=verify > 0, prefix_cache=not args.no_prefix)
-        serve(model, plan, EngineOptions(overlap=False, **opts), requests[:b])  # warm-up
-        sync, sync_wall = serve(model, plan, EngineOptions(overlap=False, **opts), requests)
-        over, over_wall = serve(model, plan, EngineOptions(overlap=True, **opts), requests)
-        tokens = sum(len(p) + n for p, n in requests)
-        st = sync.stats
-        host = st.host_s / st.steps
-        device = max(0.0, st.wall_s - st.host_s) / st.steps
-        assert over.stats.compilations_after_warmup == 0
-        # getattr: the script also times older trees from a worktree (PYTHONPATH), whose
-        # EngineStats have no narrow_steps (docs/benchmarks.md compares them side by side).
-        print(
-            f"| {b} | {st.steps} | {getattr(st, 'narrow_steps', 0)} | {host * 1e3:.2f} | "
-            f"{device * 1e3:.2f} | "
-            f"{tokens / sync_wall:.0f} | {tokens / over_wall:.0f} | "
-            f"{over.stats.accept_rate:.2f} | {over.stats.retractions} |"
-        )
+        for rows in args.prefill_rows:
+            # Older trees (timed from a worktree) have no prefill_rows option: leave it out.
+            extra = {} if rows is None else {"prefill_rows": rows}
+            opts = dict(mtp=verify > 0, prefix_cache=not args.no_prefix, **extra)
+            serve(model, plan, EngineOptions(overlap=False, **opts), requests[:b])  # warm-up
+            sync, sync_wall = serve(model, plan, EngineOptions(overlap=False, **opts), requests)
+            over, over_wall = serve(model, plan, EngineOptions(overlap=True, **opts), requests)
+            tokens = sum(len(p) + n for p, n in requests)
+            st = sync.stats
+            host = st.host_s / st.steps
+            device = max(0.0, st.wall_s - st.host_s) / st.steps
+            assert over.stats.compilations_after_warmup == 0
+            # getattr: the script also times older trees from a worktree (PYTHONPATH), whose
+            # engines have no narrow_steps / prefill_rows (docs/benchmarks.md compares them).
+            print(
+                f"| {b} | {getattr(sync, 'prefill_rows', '-')} | {st.steps} | "
+                f"{getattr(st, 'narrow_steps', 0)} | {host * 1e3:.2f} | {device * 1e3:.2f} | "
+                f"{tokens / sync_wall:.0f} | {tokens / over_wall:.0f} | "
+                f"{over.stats.accept_rate:.2f} | {over.stats.retractions} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

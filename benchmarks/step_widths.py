@@ -15,7 +15,10 @@ its own fresh copy of each state, in a random order, so all see the same steps o
 machine at the same moment):
 
 - **decode widths**: the same decode batch (every running lane one token: ``extend`` then
-  ``retire_reclaim``, as the engine's step runs them) compiled at each ``--widths`` value;
+  ``retire_reclaim``, as the engine's step runs them) compiled at each ``--widths`` value,
+  and (``split``) as a step split by ``EngineOptions.prefill_rows`` runs its decode lanes: at
+  the smallest width, beside an extend and a retire of ``--split-rows`` (empty) prefill rows
+  at the largest;
 - **admission rows**: the same admission (the prompts of one admission call of the trace, at
   most the smallest ``--admit-rows`` of them; ``admit`` with the engine's ``max_count`` and
   ``max_context`` token columns) in a batch of each ``--admit-rows`` value (padding rows
@@ -96,6 +99,31 @@ def decode_at(plan, width: int):
     return jax.jit(step, donate_argnums=0, compiler_options=COORDINATOR_COMPILER_OPTIONS)
 
 
+def split_at(plan, narrow: int, width: int, rows: int):
+    """The decode batch as a split step runs its decode lanes: extend and retire_reclaim at
+    ``narrow``, beside an extend and a retire_reclaim of ``rows`` prefill rows at ``width``
+    (empty here: what the split adds when its wide call holds nothing)."""
+
+    def step(state, packed):
+        v, slot, gen, tok = packed[0] != 0, packed[1], packed[2], packed[3]
+        ones = jnp.ones_like(slot)
+        toks = jnp.zeros((slot.shape[0], narrow), jnp.int32).at[:, 0].set(tok)
+        state, er = ops.extend_fn(
+            plan, state, ExtendBatch(v, slot, gen, ones, toks), max_count=narrow
+        )
+        z = jnp.zeros((rows,), jnp.int32)
+        off = z != 0
+        wide = ExtendBatch(off, z, z, z + 1, jnp.zeros((rows, width), jnp.int32))
+        state, _ = ops.extend_fn(plan, state, wide, max_count=width, same_step=(er,))
+        rb = RetireBatch(v, slot, gen, ones)
+        state, rr = ops.retire_reclaim_fn(plan, state, rb, max_count=narrow)
+        rw = RetireBatch(off, z, z, z + 1)
+        state, _ = ops.retire_reclaim_fn(plan, state, rw, max_count=width)
+        return state, jnp.stack([er.status, rr.status])
+
+    return jax.jit(step, donate_argnums=0, compiler_options=COORDINATOR_COMPILER_OPTIONS)
+
+
 def admit_at(plan):
     """The admission as the engine's admitting step runs it: ``admit`` of the batch's rows of
     ``max_context`` token columns at the plan's ``max_count`` (the rows are the input's)."""
@@ -133,7 +161,7 @@ def side_by_side(name, variants, calls, repeats: int, unit: str) -> None:
     for v in variants:
         ratio = statistics.median(x / y for x, y in zip(us[v], first, strict=True))
         print(
-            f"{name} {v:5d}: median {statistics.median(us[v]):9.0f} us/{unit}, min "
+            f"{name} {v!s:>5}: median {statistics.median(us[v]):9.0f} us/{unit}, min "
             f"{min(us[v]):9.0f}, x{ratio:.2f} of {name} {variants[0]}"
         )
 
@@ -143,6 +171,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--widths", type=int, nargs="*", default=[1, 3, 64, 512, 4096])
     ap.add_argument("--admit-rows", type=int, nargs="*", default=[1, 16, 256])
+    ap.add_argument(
+        "--split-rows",
+        type=int,
+        default=16,
+        help="prefill rows of the split variant (0: leave it out): the decode batch at the "
+        "smallest width beside an empty wide call of this many rows at the largest",
+    )
     ap.add_argument("--states", type=int, default=4, help="states captured of each kind")
     ap.add_argument("--repeats", type=int, default=5, help="timed calls per state and variant")
     ap.add_argument("--peer", default=None, help="vllm_kv_bench.py (default: vs_vllm's)")
@@ -174,7 +209,13 @@ def main() -> None:
         for w in args.widths:
             fn = decode_at(plan, w).lower(*dec[0]).compile()
             calls[w] = [(fn, s, p) for s, p in dec]
-        side_by_side("width", args.widths, calls, args.repeats, "step")
+        if args.split_rows and len(args.widths) > 1:
+            lo, hi = min(args.widths), max(args.widths)
+            fn = split_at(plan, lo, hi, args.split_rows).lower(*dec[0]).compile()
+            calls["split"] = [(fn, s, p) for s, p in dec]
+            side_by_side("width", [*args.widths, "split"], calls, args.repeats, "step")
+        else:
+            side_by_side("width", args.widths, calls, args.repeats, "step")
     if args.admit_rows and adm:
         ctx = plan.limits.max_context
         calls = {}

@@ -174,6 +174,14 @@ class StepKind:
         instead of the plan's ``max_count``. The host picks it only when that holds
         (:class:`~flatkv_jax.serving.engine.Engine`); it costs what the batch holds, not
         ``max_requests x chunk_tokens``.
+      prefill_rows: in the other kinds, the most extend rows of more than ``1 + num_draft``
+        tokens (prefill chunks) the host schedules a step (0: no bound). Below
+        ``max_requests`` such a step extends its decode rows in a call at ``max_count = 1 +
+        num_draft`` and its prefill rows, compacted to ``prefill_rows`` rows, in a second call
+        at the plan's ``max_count``, and retires the same way (the prefill rows of the step
+        before, admissions included: ``prefill_rows + admit_rows`` rows): a mixed step costs
+        what it holds, not ``max_requests x chunk_tokens``.
+      admit_rows: rows of the admission batch (``AdmitInputs``; sizes the wide retire).
     """
 
     num_draft: int
@@ -183,6 +191,8 @@ class StepKind:
     interpret: bool
     keep_logits: bool
     narrow: bool = False
+    prefill_rows: int = 0
+    admit_rows: int = 0
 
 
 @functools.cache
@@ -258,6 +268,15 @@ def step_body(graphdef, plan: CachePlan, kind: StepKind):
     r, t_len, d = lim.max_requests, lim.step_tokens, 1 + k
     width = seq_width(plan)
     ng = len(plan.groups)
+    # A mixed step's decode rows at 1 + k tokens, its few prefill rows at mc (see StepKind).
+    split = not kind.narrow and 0 < kind.prefill_rows < r and d < mc
+    p_rows = kind.prefill_rows
+    w_ret = min(r, kind.prefill_rows + kind.admit_rows)
+
+    def tokens_of(seq, lane, start, n):
+        """``[rows, n]`` token ids of ``lane`` from position ``start`` (for publishing)."""
+        pos = jnp.clip(start[:, None] + jnp.arange(n, dtype=_I32)[None, :], 0, width - 1)
+        return seq[lane[:, None], pos]
 
     def fn(weights, pools, state: CacheState, lanes: Lanes, inp: StepInputs, adm):
         model = nnx.merge(graphdef, weights)
@@ -279,15 +298,42 @@ def step_body(graphdef, plan: CachePlan, kind: StepKind):
         # One op, one sweep: the deferred releases it completes and the window pages behind
         # every committed lane (retire_fn then reclaim_fn of the committed lanes would hold
         # a second sweep in this program, for the rare release).
-        state, ret = retire_reclaim_fn(
-            plan,
-            state,
-            RetireBatch(inflight, lanes.slot, lanes.generation, lanes.accept),
-            max_count=mc,
-        )
-        retired = inflight & (ret.status == Status.OK) & ~ret.released
+        wide_overflow = jnp.zeros((), bool)
+        if split:
+            # Decode lanes in one call at 1 + k tokens, then the prefill lanes (more than
+            # 1 + k accepted), compacted in lane order, at mc: two sweeps, each its rows.
+            big = inflight & (lanes.accept > d)
+            state, ret = retire_reclaim_fn(
+                plan,
+                state,
+                RetireBatch(inflight & ~big, lanes.slot, lanes.generation, lanes.accept),
+                max_count=d,
+            )
+            wl = jnp.nonzero(big, size=w_ret, fill_value=r)[0].astype(_I32)
+            wv = wl < r
+            ws = jnp.clip(wl, 0, r - 1)
+            state, ret_w = retire_reclaim_fn(
+                plan,
+                state,
+                RetireBatch(wv, lanes.slot[ws], lanes.generation[ws], lanes.accept[ws]),
+                max_count=mc,
+            )
+            to = jnp.where(wv, wl, r)
+            ret_status = ret.status.at[to].set(ret_w.status, mode="drop")
+            ret_released = ret.released.at[to].set(ret_w.released, mode="drop")
+            wide_overflow = jnp.sum(big) > w_ret
+        else:
+            big = jnp.zeros((r,), bool)
+            state, ret = retire_reclaim_fn(
+                plan,
+                state,
+                RetireBatch(inflight, lanes.slot, lanes.generation, lanes.accept),
+                max_count=mc,
+            )
+            ret_status, ret_released = ret.status, ret.released
+        retired = inflight & (ret_status == Status.OK) & ~ret_released
         freed = _scatter(r, rl, rv & (rel.status == Status.OK), jnp.ones((r,), bool), False)
-        freed = freed | (inflight & ret.released)
+        freed = freed | (inflight & ret_released)
         slot = jnp.where(freed, -1, lanes.slot)
         gen = lanes.generation
         live = slot >= 0
@@ -304,25 +350,54 @@ def step_body(graphdef, plan: CachePlan, kind: StepKind):
         osafe = jnp.clip(order, 0, r - 1)
         ecount = jnp.where(order >= 0, count[osafe], 0)
         ev = ecount > 0
-        cols = jnp.arange(mc, dtype=_I32)
-        etok = None
-        if kind.prefix:
-            epos = jnp.clip(ext_now[osafe][:, None] + cols[None, :], 0, width - 1)
-            etok = lanes.seq[osafe[:, None], epos]
-        state, er = extend_fn(
-            plan,
-            state,
-            ExtendBatch(ev, slot[osafe], gen[osafe], jnp.where(ev, ecount, 1), etok),
-            max_count=mc,
-        )
+        if split:
+            # Decode rows (host order) at 1 + k tokens, then the prefill rows (host order,
+            # compacted to p_rows) at mc; a page shortage fails prefill rows first.
+            wide = ev & (ecount > d)
+            nv = ev & ~wide
+            etok = tokens_of(lanes.seq, osafe, ext_now[osafe], d) if kind.prefix else None
+            state, er = extend_fn(
+                plan,
+                state,
+                ExtendBatch(nv, slot[osafe], gen[osafe], jnp.where(nv, ecount, 1), etok),
+                max_count=d,
+            )
+            wi = jnp.nonzero(wide, size=p_rows, fill_value=r)[0].astype(_I32)
+            wv = wi < r
+            wo = osafe[jnp.clip(wi, 0, r - 1)]
+            wcount = jnp.where(wv, ecount[jnp.clip(wi, 0, r - 1)], 1)
+            wtok = tokens_of(lanes.seq, wo, ext_now[wo], mc) if kind.prefix else None
+            state, er_w = extend_fn(
+                plan,
+                state,
+                ExtendBatch(wv, slot[wo], gen[wo], wcount, wtok),
+                max_count=mc,
+                same_step=(er,),
+            )
+            results = (er, er_w)
+            row_lane = jnp.concatenate([jnp.where(nv, order, -1), jnp.where(wv, wo, -1)])
+            ext_status = _scatter(r, order, order >= 0, er.status, Status.IDLE)
+            ext_status = ext_status.at[jnp.where(wv, wo, r)].set(er_w.status, mode="drop")
+            ext_wide = _scatter(r, order, wide, jnp.ones((r,), bool), False)
+            wide_overflow = wide_overflow | (jnp.sum(wide) > p_rows)
+        else:
+            etok = tokens_of(lanes.seq, osafe, ext_now[osafe], mc) if kind.prefix else None
+            state, er = extend_fn(
+                plan,
+                state,
+                ExtendBatch(ev, slot[osafe], gen[osafe], jnp.where(ev, ecount, 1), etok),
+                max_count=mc,
+            )
+            results = (er,)
+            row_lane = jnp.where(ev, order, -1)
+            ext_status = _scatter(r, order, order >= 0, er.status, Status.IDLE)
+            ext_wide = jnp.zeros((r,), bool)
         seq, prompt_len, remaining, hidden = (
             lanes.seq,
             lanes.prompt_len,
             lanes.remaining,
             lanes.hidden,
         )
-        results = (er,)
-        row_lane = jnp.where(ev, order, -1)
         adm_status = jnp.full((r,), Status.IDLE, _I32)
         adm_hit = jnp.zeros((r,), _I32)
         if kind.admit:
@@ -336,7 +411,7 @@ def step_body(graphdef, plan: CachePlan, kind: StepKind):
             )
             # The admit sees the extend's result: the coordinator keeps the two within
             # step_tokens together (when it supports ``same_step``).
-            same = {"same_step": (er,)} if _SAME_STEP else {}
+            same = {"same_step": results} if _SAME_STEP else {}
             state, ar = admit_fn(plan, state, ab, max_count=mc, **same)
             aok = av & (ar.status == Status.OK)
             idx = jnp.where(av, adm.lane, r)
@@ -351,7 +426,7 @@ def step_body(graphdef, plan: CachePlan, kind: StepKind):
             hidden = hidden.at[idx].set(0.0, mode="drop")
             adm_status = _scatter(r, adm.lane, av, ar.status, Status.IDLE)
             adm_hit = _scatter(r, adm.lane, aok, ar.hit, 0)
-            results = (er, ar)
+            results = (*results, ar)
             row_lane = jnp.concatenate([row_lane, jnp.where(aok, adm.lane, -1)])
         md = step_metadata_fn(plan, state, results, max_count=mc)
         # Per metadata row: its lane and whether it decodes (starts past the prompt).
@@ -450,11 +525,15 @@ def step_body(graphdef, plan: CachePlan, kind: StepKind):
             "decode": by_lane(is_dec, False),
             "proposed": by_lane(proposed),
             "accepted": by_lane(jnp.where(proposed > 0, jnp.minimum(a, emitted), 0)),
-            "extend_status": _scatter(r, order, order >= 0, er.status, Status.IDLE),
+            "extend_status": ext_status,
+            # Which lanes ran in the wide (prefill) extend / retire call of a split step.
+            "extend_wide": ext_wide,
+            "retire_wide": big,
+            "wide_overflow": wide_overflow,
             "extend_count": _scatter(r, order, ev, ecount, 0),
             "admit_status": adm_status,
             "hit": adm_hit,
-            "retire_status": jnp.where(inflight, ret.status, Status.IDLE),
+            "retire_status": jnp.where(inflight, ret_status, Status.IDLE),
             "retired": jnp.where(inflight, prev_accept, 0),
             "release_status": _scatter(r, rl, rl >= 0, rel.status, Status.IDLE),
             # retire_reclaim reclaims exactly the retired lanes (OK, each named once).

@@ -86,6 +86,12 @@ class EngineOptions:
         this many rows of ``max_context`` prompt tokens, and matching hashes every row, so its
         cost follows ``admit_rows x max_context``, not ``max_requests x max_context``. None =
         ``min(max_requests, 16)``. Further waiting requests are admitted in later steps.
+      prefill_rows: the most running prompts a step extends by a chunk wider than a decode
+        row (per rank). Below ``max_requests`` a step with prefill work extends (and next
+        retires) its decode lanes at ``1 + verify_width`` tokens and its prefill lanes in a
+        second call of ``prefill_rows`` rows at ``chunk_tokens`` (the retire's wide call:
+        ``prefill_rows + admit_rows`` rows), so its cost follows what it holds. None =
+        ``min(max_requests, 16)``. Further prefilling prompts wait for the next step.
     """
 
     impl: str = "reference"
@@ -102,6 +108,7 @@ class EngineOptions:
     routing: str = "affinity"
     affinity_slack: int | None = None
     admit_rows: int | None = None
+    prefill_rows: int | None = None
 
     def __post_init__(self):
         if self.impl not in _IMPLS:
@@ -138,6 +145,12 @@ class EngineOptions:
                 "admit_rows",
                 self.admit_rows,
                 "pass admit_rows >= 1, or None for min(max_requests, 16)",
+            )
+        if self.prefill_rows is not None:
+            check_positive_int(
+                "prefill_rows",
+                self.prefill_rows,
+                "pass prefill_rows >= 1, or None for min(max_requests, 16)",
             )
         if not isinstance(self.fifo_depth, int) or self.fifo_depth < 2:
             fail(
@@ -461,11 +474,10 @@ def _resolve_mesh(mesh, devices: int):
     return mesh
 
 
-def _admit_rows(plan: CachePlan, options: EngineOptions) -> int:
-    """Rows of the admitting step's batch: ``options.admit_rows`` (at most ``max_requests``),
-    default ``min(max_requests, 16)``."""
-    r = plan.limits.max_requests
-    return min(r, 16 if options.admit_rows is None else int(options.admit_rows))
+def _rows(plan: CachePlan, value: int | None) -> int:
+    """An engine row bound (``admit_rows``, ``prefill_rows``): ``value`` (at most
+    ``max_requests``), default ``min(max_requests, 16)``."""
+    return min(plan.limits.max_requests, 16 if value is None else int(value))
 
 
 class Engine:
@@ -521,11 +533,13 @@ class Engine:
         self.cfg = model.cfg
         self.k = lim.verify_width if options.mtp else 0
         self.mc = resolve_max_count(plan, None)
-        self.admit_rows = _admit_rows(plan, options)
+        self.admit_rows = _rows(plan, options.admit_rows)
+        self.prefill_rows = _rows(plan, options.prefill_rows)
         interpret = options.interpret
         if interpret is None:
             interpret = jax.default_backend() == "cpu"
         impl = _IMPLS[options.impl]
+        splits = self.prefill_rows < lim.max_requests and 1 + self.k < self.mc
         base = StepKind(
             num_draft=self.k,
             admit=False,
@@ -533,6 +547,10 @@ class Engine:
             impl=impl.value,
             interpret=bool(interpret) and impl is Impl.PALLAS_TPU,
             keep_logits=options.keep_logits,
+            # Only a step that can split names its row bounds: the other kinds stay those of
+            # every engine without the split (one compilation each, shared).
+            prefill_rows=self.prefill_rows if splits else 0,
+            admit_rows=self.admit_rows if splits else 0,
         )
         self.graphdef, self.weights = nnx.split(model)
         self.mesh = mesh = _resolve_mesh(mesh, options.devices)
@@ -590,8 +608,8 @@ class Engine:
         """A host-only scheduler for one rank of a sharded engine (no device arrays of its
         own: the parent dispatches every rank's inputs in one sharded step)."""
         child = object.__new__(Engine)
-        for name in ("plan", "options", "model", "cfg", "k", "mc", "admit_rows", "graphdef",
-                     "_block"):  # fmt: skip
+        for name in ("plan", "options", "model", "cfg", "k", "mc", "admit_rows", "prefill_rows",
+                     "graphdef", "_block"):  # fmt: skip
             setattr(child, name, getattr(self, name))
         child.weights = child.state = child.pools = child.lanes = child.mesh = None
         child._fns, child._cache0 = {}, {}
@@ -878,11 +896,15 @@ class Engine:
                     budget -= take
             else:
                 prefill.append((q, q.prompt_len - done))
+        wide = 0  # prefill rows wider than a decode row: at most prefill_rows a step
         for q, left in prefill:
             take = min(self.mc, left, budget)
+            if take > d and wide >= self.prefill_rows:
+                continue
             if take > 0:
                 allow[q.lane] = take
                 budget -= take
+                wide += take > d
         admits = []
         supply = self._supply.copy()
         for f in self._inflight:
@@ -1045,6 +1067,11 @@ class Engine:
         if bool(rep["overflow"]):
             raise RuntimeError(
                 f"step {d.index} scheduled more than step_tokens tokens: a scheduler bug"
+            )
+        if bool(rep["wide_overflow"]):
+            raise RuntimeError(
+                f"step {d.index} scheduled more prefill rows than its compiled prefill_rows "
+                "(or retired more than prefill_rows + admit_rows): a scheduler bug"
             )
         st = self.stats
         prefill = decode = emitted = hits = prompts = proposed = accepted = retracted = 0
@@ -1349,27 +1376,37 @@ class Engine:
         )
         if rel:
             log.append(("release", rel))
-        ret = tuple(
-            (rid, int(rep["retired"][lane]), int(rep["retire_status"][lane]))
-            for lane, rid in d.retire_rids.items()
-            if int(rep["retire_status"][lane]) != Status.IDLE
-        )
-        if ret:
-            log.append(("retire", ret))
-            rec = tuple(
-                (rid, int(rep["reclaim_status"][lane]))
+        # A split step retires its decode lanes, then its prefill lanes, each call followed
+        # by its reclaim; it extends the same way (StepKind.prefill_rows).
+        for wide in (False, True):
+            lanes = [
+                (lane, rid)
                 for lane, rid in d.retire_rids.items()
-                if int(rep["reclaim_status"][lane]) != Status.IDLE
+                if bool(rep["retire_wide"][lane]) == wide
+            ]
+            ret = tuple(
+                (rid, int(rep["retired"][lane]), int(rep["retire_status"][lane]))
+                for lane, rid in lanes
+                if int(rep["retire_status"][lane]) != Status.IDLE
             )
-            if rec:
-                log.append(("reclaim", rec))
-        ext = tuple(
-            (rid, int(rep["extend_count"][lane]), int(rep["extend_status"][lane]))
-            for lane, rid in d.lanes.items()
-            if int(rep["extend_status"][lane]) != Status.IDLE
-        )
-        if ext:
-            log.append(("extend", ext))
+            if ret:
+                log.append(("retire", ret))
+                rec = tuple(
+                    (rid, int(rep["reclaim_status"][lane]))
+                    for lane, rid in lanes
+                    if int(rep["reclaim_status"][lane]) != Status.IDLE
+                )
+                if rec:
+                    log.append(("reclaim", rec))
+        for wide in (False, True):
+            ext = tuple(
+                (rid, int(rep["extend_count"][lane]), int(rep["extend_status"][lane]))
+                for lane, rid in d.lanes.items()
+                if int(rep["extend_status"][lane]) != Status.IDLE
+                and bool(rep["extend_wide"][lane]) == wide
+            )
+            if ext:
+                log.append(("extend", ext))
         adm = []
         for lane, rid in d.admits.items():
             q = self._requests[rid]

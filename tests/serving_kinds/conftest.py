@@ -1,4 +1,4 @@
-"""The engine's step kinds and row bounds (narrow steps, ``admit_rows``).
+"""The engine's step kinds and row bounds (narrow steps, ``admit_rows``, ``prefill_rows``).
 
 A directory of its own, whose modules drop JAX's compiled programs when they end: these tests
 compile some twenty step programs (plans of their own, one per kind), and each holds a few

@@ -56,23 +56,22 @@ def test_admission_cost_follows_admit_rows():
     assert 0 < 6 * share[1] < share[8], share
 
 
+@pytest.mark.parametrize("name", ["admit_rows", "prefill_rows"])
 @pytest.mark.parametrize(
     "value, exc, message",
     [
-        (
-            0,
-            ValueError,
-            r"admit_rows=0 is invalid: it must be positive\. Fix: pass admit_rows >= 1",
-        ),
-        (True, TypeError, r"admit_rows=True is invalid: it must be an int\. Fix"),
-        (2.5, TypeError, r"admit_rows=2\.5 is invalid: it must be an int\. Fix"),
+        (0, ValueError, r"=0 is invalid: it must be positive\. Fix: pass {name} >= 1"),
+        (True, TypeError, r"=True is invalid: it must be an int\. Fix"),
+        (2.5, TypeError, r"=2\.5 is invalid: it must be an int\. Fix"),
     ],
 )
-def test_admit_rows_errors(value, exc, message):
-    with pytest.raises(exc, match=message):
-        EngineOptions(admit_rows=value)
+def test_row_bound_errors(name, value, exc, message):
+    """``admit_rows`` and ``prefill_rows`` (test_engine_prefill_rows.py) share the rule."""
+    with pytest.raises(exc, match=name + message.format(name=name)):
+        EngineOptions(**{name: value})
 
 
-def test_admit_rows_takes_numpy_ints():
+def test_row_bounds_take_numpy_ints():
     """The library's size rule (errors.is_int): NumPy integers count, bools do not."""
     assert EngineOptions(admit_rows=np.int64(2)).admit_rows == 2
+    assert EngineOptions(prefill_rows=np.int64(3)).prefill_rows == 3
