@@ -12,7 +12,10 @@ time ratio (paired), beside each version's median.
 Both versions must keep the same state pytree (leaf shapes and order) and the same
 semantics: before timing a shape, ``run`` applies every version to copies of the same state
 and input and refuses to go on if their outputs or new states differ (stale free-stack slots
-and where in its bucket pair an index entry sits are not compared).
+and where in its bucket pair an index entry sits are not compared);
+``--check-all`` compares them at every timed call instead, outside the timing (a version that
+differs only on rare paths, e.g. ``one_program_probe.py``'s sorts, is caught where it
+differs).
 
 Run (the older version from a git worktree)::
 
@@ -246,6 +249,7 @@ def run_ab(args) -> None:
                 ) from e
     checked: set = set()
     times: dict = {}
+    first = versions[0][0]
     rng = np.random.default_rng()
     orig = run._timed
 
@@ -272,6 +276,7 @@ def run_ab(args) -> None:
         # over the steps instead gave versions different steps: with a fixed seed the same
         # split every run, and a copy of one executable read x0.92-0.95 of itself.
         rows = int(np.count_nonzero(np.asarray(a[0])[0] if key == "decode" else a[0][:, 0]))
+        ran = {}
         for i in rng.permutation(len(versions)):
             name = versions[i][0]
             state = jax.block_until_ready(_copy(run.state))
@@ -280,12 +285,21 @@ def run_ab(args) -> None:
             out = jax.device_get(out)
             dt = time.perf_counter() - t
             times.setdefault((shape, name), []).append(dt / max(rows, 1) * 1e6)
+            if args.check_all:
+                ran[name] = (state, out)
+        if args.check_all:
+            # Outside the timed calls: every version's output and new state at this step.
+            canon = {n: _index_as_entries(_stacks_below_top(r, run.plan)) for n, r in ran.items()}
+            for name, _ in versions[1:]:
+                if not _same(canon[name], canon[first]):
+                    raise SystemExit(
+                        f"{name} and {first} disagree on {shape} at call {len(times[shape, name])}"
+                    )
         run.state = state
         return out, dt
 
     run._timed = timed
     run.run()
-    first = versions[0][0]
     print(f"{os.cpu_count()} CPUs, jax {jax.__version__}, B = {args.batch}")
     for shape in shapes:
         base = times.get((shape, first))
@@ -310,6 +324,12 @@ def main() -> None:
     r.add_argument("versions", nargs="+", help="NAME=FILE from dump, the first is the base")
     r.add_argument(
         "--shapes", default=None, help="e.g. decode,admit-8-4096 (default: the six of SHAPES)"
+    )
+    r.add_argument(
+        "--check-all",
+        action="store_true",
+        help="compare every version's output and state at every timed call, not only at the "
+        "first call of each shape (outside the timing)",
     )
     args = ap.parse_args()
     if args.cmd == "dump":

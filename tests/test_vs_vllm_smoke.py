@@ -204,3 +204,28 @@ def test_compare_evict_ahead_reads_two_counts(vs):
     for bad in ("16", "0,16,32", "a,b", "-1,4"):
         with pytest.raises(SystemExit, match=r"write two counts, e.g. 0,16"):
             vs.parse_pair(bad)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 64, 100])
+@pytest.mark.parametrize("num_keys", [1, 2, 3])
+def test_one_program_probe_sort_is_lax_sort(n, num_keys):
+    """benchmarks/one_program_probe.py's sorting network gives ``jax.lax.sort``'s result
+    (stable, lexicographic on the first ``num_keys`` operands), with many equal keys."""
+    probe = _load("one_program_probe")
+    keys = jax.random.randint(jax.random.key(n * 7 + num_keys), (3, n), 0, 4, jnp.int32)
+    ops = (*keys, jnp.arange(n, dtype=jnp.int32)[::-1])
+    want = jax.lax.sort(ops, num_keys=num_keys)
+    got = jax.jit(lambda o: probe.bitonic_sort(o, num_keys=num_keys))(ops)
+    for w, g in zip(want, got, strict=True):
+        assert jnp.array_equal(w, g), (w, g)
+
+
+def test_one_program_probe_runs_a_step_once():
+    """``once(fn)`` runs ``fn``'s body exactly once inside a while loop."""
+    probe = _load("one_program_probe")
+
+    def step(state, x):
+        return state + x, state * 2
+
+    state, out = jax.jit(probe.once(step))(jnp.arange(4), jnp.ones(4, jnp.int32))
+    assert state.tolist() == [1, 2, 3, 4] and out.tolist() == [0, 2, 4, 6]
