@@ -18,12 +18,16 @@ Prints one row per B (and per ``--prefill-rows`` value: ``EngineOptions.prefill_
 rows of a mixed step's wide call; ``--prefill-rows 16 128`` at ``--batch 128`` compares split
 mixed steps with unsplit ones side by side): steps, steps run as the decode-only (narrow) step
 kind, host ms/step, device ms/step (sync), tokens/s (sync, overlap: prompt + generated tokens
-per second), draft acceptance and retractions.
+per second), draft acceptance and retractions. ``--max-context`` sizes the plan for longer
+contexts than the requests hold (default: prompt + new), and ``--admit-widths`` adds a row per
+``EngineOptions.admit_widths`` value (``none`` for the engine's default, ``512`` or
+``512,2048``): a plan of long contexts serving short prompts, with and without widths.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import platform
 import time
 
@@ -66,6 +70,13 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=32)
     ap.add_argument("--no-mtp", action="store_true")
     ap.add_argument("--no-prefix", action="store_true")
+    ap.add_argument("--max-context", type=int, default=None, help="plan max_context")
+    ap.add_argument(
+        "--admit-widths",
+        nargs="*",
+        default=["none"],
+        help="EngineOptions.admit_widths values, one row each: none, or comma-separated ints",
+    )
     ap.add_argument(
         "--prefill-rows",
         type=int,
@@ -86,19 +97,21 @@ def main() -> None:
     print(f"# prompt {args.prompt}, new {args.new}, chunk {args.chunk}, verify {verify}, "
           f"prefix cache {not args.no_prefix}")  # fmt: skip
     print(
-        "| B | prefill rows | steps | narrow | host ms/step | device ms/step | tok/s sync "
-        "| tok/s overlap | accept | retracted |"
+        "| B | prefill rows | admit widths | steps | narrow | host ms/step | device ms/step "
+        "| tok/s sync | tok/s overlap | accept | retracted |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     rng = np.random.default_rng(0)
     for b in args.batch:
-        plan = make_plan(cfg, b, args.prompt + args.new, args.chunk, verify)
+        plan = make_plan(cfg, b, args.max_context or args.prompt + args.new, args.chunk, verify)
         requests = [
             (rng.integers(0, cfg.vocab, args.prompt).tolist(), args.new) for _ in range(2 * b)
         ]
-        for rows in args.prefill_rows:
-            # Older trees (timed from a worktree) have no prefill_rows option: leave it out.
+        for rows, widths in itertools.product(args.prefill_rows, args.admit_widths):
+            # Older trees (timed from a worktree) have neither option: leave them out.
             extra = {} if rows is None else {"prefill_rows": rows}
+            if widths != "none":
+                extra["admit_widths"] = tuple(int(w) for w in widths.split(","))
             opts = dict(mtp=verify > 0, prefix_cache=not args.no_prefix, **extra)
             serve(model, plan, EngineOptions(overlap=False, **opts), requests[:b])  # warm-up
             sync, sync_wall = serve(model, plan, EngineOptions(overlap=False, **opts), requests)
@@ -111,7 +124,7 @@ def main() -> None:
             # getattr: the script also times older trees from a worktree (PYTHONPATH), whose
             # engines have no narrow_steps / prefill_rows (docs/benchmarks.md compares them).
             print(
-                f"| {b} | {getattr(sync, 'prefill_rows', '-')} | {st.steps} | "
+                f"| {b} | {getattr(sync, 'prefill_rows', '-')} | {widths} | {st.steps} | "
                 f"{getattr(st, 'narrow_steps', 0)} | {host * 1e3:.2f} | {device * 1e3:.2f} | "
                 f"{tokens / sync_wall:.0f} | {tokens / over_wall:.0f} | "
                 f"{over.stats.accept_rate:.2f} | {over.stats.retractions} |",

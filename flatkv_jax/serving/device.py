@@ -54,6 +54,7 @@ from flatkv_jax.coordinator.ops import (
     retire_reclaim_fn,
 )
 from flatkv_jax.coordinator.state import CacheState
+from flatkv_jax.errors import fail
 from flatkv_jax.model.cache_io import DraftBatch, StepBatch
 from flatkv_jax.plan import CachePlan
 from flatkv_jax.status import Status
@@ -108,12 +109,14 @@ class StepInputs:
 @_dataclass
 class AdmitInputs:
     """Admissions of one step, rows in arrival order (``[A]`` each, ``tokens [A, C]``; ``A``:
-    the engine's admission rows, at most ``max_requests``; ``C = max_context``).
+    the engine's admission rows, at most ``max_requests``; ``C``: the kind's ``admit_width``,
+    at most ``max_context``).
 
     Attributes:
       lane: the lane each row takes (-1 padding).
       prompt_len, first, remaining, namespace: per row.
-      tokens: the prompts, padded to ``max_context``.
+      tokens: the prompts, padded to the step kind's ``admit_width`` (``max_context`` by
+        default; every prompt of the batch fits it).
     """
 
     lane: jax.Array
@@ -182,6 +185,11 @@ class StepKind:
         before, admissions included: ``prefill_rows + admit_rows`` rows): a mixed step costs
         what it holds, not ``max_requests x chunk_tokens``.
       admit_rows: rows of the admission batch (``AdmitInputs``; sizes the wide retire).
+      admit_width: in an admitting kind, the prompt-token columns of its admission batch
+        (``AdmitInputs.tokens`` is ``[A, admit_width]``; 0: ``max_context``). Matching hashes
+        and looks up every column of every row, so an engine compiles one admitting kind per
+        width bucket and admits into the smallest that holds the step's prompts
+        (``EngineOptions.admit_widths``).
     """
 
     num_draft: int
@@ -193,6 +201,7 @@ class StepKind:
     narrow: bool = False
     prefill_rows: int = 0
     admit_rows: int = 0
+    admit_width: int = 0
 
 
 @functools.cache
@@ -401,6 +410,11 @@ def step_body(graphdef, plan: CachePlan, kind: StepKind):
         adm_status = jnp.full((r,), Status.IDLE, _I32)
         adm_hit = jnp.zeros((r,), _I32)
         if kind.admit:
+            want = kind.admit_width or plan.limits.max_context
+            if adm.tokens.shape[1] != want:
+                fail("AdmitInputs.tokens columns", adm.tokens.shape[1],
+                     f"this step kind admits prompts of {want} columns (its admit_width)",
+                     "pad or slice the admission tokens to the kind's admit_width")  # fmt: skip
             av = adm.lane >= 0
             ab = AdmitBatch(
                 av,

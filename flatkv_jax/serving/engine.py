@@ -83,9 +83,14 @@ class EngineOptions:
         rank may have than the least-loaded rank before the request goes elsewhere (a routing
         miss); None = ``max_requests``.
       admit_rows: the most requests one step admits (per rank): the admitting step's batch has
-        this many rows of ``max_context`` prompt tokens, and matching hashes every row, so its
-        cost follows ``admit_rows x max_context``, not ``max_requests x max_context``. None =
+        this many rows of prompt tokens, and matching hashes every row, so its cost follows
+        ``admit_rows x`` its width, not ``max_requests x max_context``. None =
         ``min(max_requests, 16)``. Further waiting requests are admitted in later steps.
+      admit_widths: prompt-token widths of the admitting step's batch, one admitting kind
+        compiled for each (on first use), ``max_context`` always among them. A step admits
+        into the smallest width that holds the longest prompt it admits, so an admission's
+        matching costs ``admit_rows x`` that width, not ``x max_context`` (a plan of long
+        contexts serving short prompts). None = ``(max_context,)``: one admitting kind.
       prefill_rows: the most running prompts a step extends by a chunk wider than a decode
         row (per rank). Below ``max_requests`` a step with prefill work extends (and next
         retires) its decode lanes at ``1 + verify_width`` tokens and its prefill lanes in a
@@ -109,6 +114,7 @@ class EngineOptions:
     affinity_slack: int | None = None
     admit_rows: int | None = None
     prefill_rows: int | None = None
+    admit_widths: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.impl not in _IMPLS:
@@ -152,6 +158,15 @@ class EngineOptions:
                 self.prefill_rows,
                 "pass prefill_rows >= 1, or None for min(max_requests, 16)",
             )
+        if self.admit_widths is not None:
+            if not isinstance(self.admit_widths, tuple) or not self.admit_widths:
+                fail("admit_widths", self.admit_widths, "it must be a non-empty tuple of ints",
+                     "pass e.g. admit_widths=(1024, 8192), or None for (max_context,)",
+                     exc=TypeError)  # fmt: skip
+            for w in self.admit_widths:
+                check_positive_int(
+                    "admit_widths entry", w, "pass admit_widths of ints >= 1, e.g. (1024, 8192)"
+                )
         if not isinstance(self.fifo_depth, int) or self.fifo_depth < 2:
             fail(
                 "fifo_depth",
@@ -241,6 +256,8 @@ class EngineStats:
       compilations_after_warmup: entries beyond one per step kind (must stay 0).
       narrow_steps: steps run as the decode-only kind (``split_steps=True``: no admission and
         nothing wider than a decode row scheduled in the step or in the step it retires).
+      admit_width_steps: steps that admitted, by the prompt-token width of their admission
+        batch (``EngineOptions.admit_widths``).
       group_names: the plan's groups (order of the per-group tuples).
       usable_pages: per group (on several ranks: the total over ranks).
       occupancy: per step, pages in use per group (on several ranks: summed over ranks;
@@ -261,6 +278,7 @@ class EngineStats:
     compilations: int = 0
     compilations_after_warmup: int = 0
     narrow_steps: int = 0
+    admit_width_steps: dict[int, int] = dataclasses.field(default_factory=dict)
     group_names: tuple[str, ...] = ()
     usable_pages: tuple[int, ...] = ()
     occupancy: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
@@ -322,6 +340,7 @@ class _Prepared:
     t0: float
     host_s: float
     small: bool  # nothing scheduled wider than a decode row (no admission either)
+    admit_len: int = 0  # the longest prompt admitted (0: none): picks the admission width
 
 
 class _SharedReport:
@@ -474,6 +493,34 @@ def _resolve_mesh(mesh, devices: int):
     return mesh
 
 
+def _admit_widths(plan: CachePlan, widths: tuple[int, ...] | None) -> tuple[int, ...]:
+    """``EngineOptions.admit_widths`` checked against ``plan``, sorted, with ``max_context``."""
+    ctx = plan.limits.max_context
+    for w in widths or ():
+        if int(w) > ctx:
+            fail("admit_widths entry", w, f"it must be <= max_context = {ctx}",
+                 "drop it: max_context is always among the widths")  # fmt: skip
+    return tuple(sorted({int(w) for w in widths or ()} | {ctx}))
+
+
+#: Admission statuses that send a request back to the queue: the device found pages or a
+#: request slot short (the host's page estimate is an estimate). Any other refusal of a row
+#: the host built is raised as an engine bug.
+_ADMIT_RETRY = frozenset({Status.NO_SLOT, Status.OUT_OF_PAGES})
+_ADMIT_RETRY_NAMES = " / ".join(sorted(s.name for s in _ADMIT_RETRY))
+
+
+def _admission_width(widths: tuple[int, ...], need: int) -> int:
+    """The smallest of the sorted ``widths`` that holds a prompt of ``need`` tokens (the last
+    is ``max_context``, which holds every prompt)."""
+    return next(w for w in widths if w >= need)
+
+
+def _at_width(adm: AdmitInputs, width: int) -> AdmitInputs:
+    """``adm`` with its prompt tokens cut to ``width`` columns (every prompt fits them)."""
+    return dataclasses.replace(adm, tokens=adm.tokens[:, :width])
+
+
 def _rows(plan: CachePlan, value: int | None) -> int:
     """An engine row bound (``admit_rows``, ``prefill_rows``): ``value`` (at most
     ``max_requests``), default ``min(max_requests, 16)``."""
@@ -535,6 +582,7 @@ class Engine:
         self.mc = resolve_max_count(plan, None)
         self.admit_rows = _rows(plan, options.admit_rows)
         self.prefill_rows = _rows(plan, options.prefill_rows)
+        self.admit_widths = _admit_widths(plan, options.admit_widths)
         interpret = options.interpret
         if interpret is None:
             interpret = jax.default_backend() == "cpu"
@@ -554,13 +602,19 @@ class Engine:
         )
         self.graphdef, self.weights = nnx.split(model)
         self.mesh = mesh = _resolve_mesh(mesh, options.devices)
-        # Keyed (admit, narrow). A decode-only step (nothing wider than a decode row in it or
-        # in the step it retires) runs at max_count = 1 + k: its cost follows the batch, not
-        # chunk_tokens. Each kind compiles on first use.
+        # Keyed (admission width, narrow); width 0: no admission code. A decode-only step
+        # (nothing wider than a decode row in it or in the step it retires) runs at max_count
+        # = 1 + k: its cost follows the batch, not chunk_tokens. An admitting step's matching
+        # hashes every column of its batch: one admitting kind per width bucket. Each kind
+        # compiles on first use.
+        ctx = lim.max_context
         kinds = {
-            (False, False): base,
-            (True, False): dataclasses.replace(base, admit=True),
-            (False, True): dataclasses.replace(base, narrow=True),
+            (0, False): base,
+            (0, True): dataclasses.replace(base, narrow=True),
+            **{
+                (w, False): dataclasses.replace(base, admit=True, admit_width=0 if w == ctx else w)
+                for w in self.admit_widths
+            },
         }
         if mesh is None:
             self._fns = {a: build_step(self.graphdef, plan, kd) for a, kd in kinds.items()}
@@ -609,7 +663,7 @@ class Engine:
         own: the parent dispatches every rank's inputs in one sharded step)."""
         child = object.__new__(Engine)
         for name in ("plan", "options", "model", "cfg", "k", "mc", "admit_rows", "prefill_rows",
-                     "graphdef", "_block"):  # fmt: skip
+                     "admit_widths", "graphdef", "_block"):  # fmt: skip
             setattr(child, name, getattr(self, name))
         child.weights = child.state = child.pools = child.lanes = child.mesh = None
         child._fns, child._cache0 = {}, {}
@@ -768,24 +822,33 @@ class Engine:
         """
         return self.compiled_step(admit, narrow=narrow).as_text()
 
-    def compiled_step(self, admit: bool = True, *, narrow: bool = False) -> jax.stages.Compiled:
+    def compiled_step(
+        self, admit: bool = True, *, narrow: bool = False, width: int | None = None
+    ) -> jax.stages.Compiled:
         """One step kind, compiled (for audits: ``cost_analysis()``, ``memory_analysis()``).
 
         Args:
           admit, narrow: the kind, as in :meth:`step_hlo`.
+          width: the admitting kind's prompt-token width, one of :attr:`admit_widths` (None:
+            ``max_context``).
 
         Raises:
-          ValueError: ``admit`` and ``narrow`` both True (no such kind).
+          ValueError: ``admit`` and ``narrow`` both True (no such kind), or a ``width`` not
+            among :attr:`admit_widths`.
         """
         if admit and narrow:
             fail("narrow", narrow, "an admitting step is never a narrow (decode-only) one",
                  "pass admit=False with narrow=True")  # fmt: skip
+        w = self.plan.limits.max_context if width is None else width
+        if w not in self.admit_widths:
+            fail("width", width, f"the engine's admission widths are {self.admit_widths}",
+                 "pass one of them (EngineOptions.admit_widths), or None")  # fmt: skip
         lim = self.plan.limits
         r = lim.max_requests
         neg = np.full((r,), -1, np.int32)
         one = (
             StepInputs(np.zeros((r,), np.int32), neg, neg, np.zeros((r,), np.int32)),
-            self._ranks[0]._no_admits if admit else None,
+            _at_width(self._ranks[0]._no_admits, w) if admit else None,
         )
         if self.mesh is None:
             inputs, adm = jax.tree.map(jnp.asarray, one)
@@ -795,7 +858,7 @@ class Engine:
             inputs, adm = jax.device_put(
                 stacked, NamedSharding(self.mesh, P(self.mesh.axis_names[0]))
             )
-        fn = self._fns[admit, narrow]
+        fn = self._fns[w if admit else 0, narrow]
         return fn.lower(self.weights, self.pools, self.state, self.lanes, inputs, adm).compile()
 
     def _rank_view(self, tree, rank: int):
@@ -939,10 +1002,18 @@ class Engine:
         self._prev_small = small
         if narrow:
             self.stats.narrow_steps += 1
-        fn = self._fns[kind, narrow]
+        # The admission width: the smallest bucket that holds every rank's longest prompt
+        # admitted now (a step that admits nothing takes the smallest, the cheapest kind).
+        need = max(p.admit_len for p in preps)
+        width = _admission_width(self.admit_widths, need) if kind else 0
+        if need:
+            st = self.stats.admit_width_steps
+            st[width] = st.get(width, 0) + 1
+        fn = self._fns[width, narrow]
         if self.mesh is None:
             (p,) = preps
             adm = (p.adm if p.adm is not None else self._no_admits) if kind else None
+            adm = None if adm is None else _at_width(adm, width)
             inputs, adm = jax.tree.map(jnp.asarray, (p.inputs, adm))
             self.pools, self.state, self.lanes, report = fn(
                 self.weights, self.pools, self.state, self.lanes, inputs, adm
@@ -951,7 +1022,7 @@ class Engine:
         else:
             adm = (
                 [
-                    p.adm if p.adm is not None else rk._no_admits
+                    _at_width(p.adm if p.adm is not None else rk._no_admits, width)
                     for p, rk in zip(preps, self._ranks, strict=True)
                 ]
                 if kind
@@ -1041,6 +1112,7 @@ class Engine:
             t0=t0,
             host_s=time.perf_counter() - t0,
             small=not with_admit and int(a.max(initial=0)) <= 1 + self.k,
+            admit_len=max((len(q.seq) for q, _ in admits), default=0),
         )
 
     def _commit(self, p: _Prepared, report) -> None:
@@ -1087,6 +1159,15 @@ class Engine:
             q = self._requests[rid]
             if lane in d.admits:
                 status = int(rep["admit_status"][lane])
+                if status not in _ADMIT_RETRY and status != Status.OK:
+                    # The host built this row: any other refusal (BAD_ARG: a prompt wider
+                    # than the step's admission width; TOO_LONG, STEP_FULL, ...) is an engine
+                    # bug, not a request to wait.
+                    raise RuntimeError(
+                        f"step {d.index} admitted request {rid} with status "
+                        f"{Status(status).name}: an engine bug (only {_ADMIT_RETRY_NAMES} "
+                        "send a request back to wait)"
+                    )
                 if status != Status.OK:
                     # Not admitted (pages or slots short): back to the queue, nothing happened.
                     if q.lane == lane:
