@@ -359,30 +359,25 @@ def step_body(graphdef, plan: CachePlan, kind: StepKind):
         osafe = jnp.clip(order, 0, r - 1)
         ecount = jnp.where(order >= 0, count[osafe], 0)
         ev = ecount > 0
+
+        def extend_rows(state, valid, rows, counts, n, **same):
+            """``extend_fn`` of the ``valid`` rows (lanes ``rows``, ``counts`` tokens each, read
+            from each lane's extent) at ``max_count = n``."""
+            tok = tokens_of(lanes.seq, rows, ext_now[rows], n) if kind.prefix else None
+            batch = ExtendBatch(valid, slot[rows], gen[rows], jnp.where(valid, counts, 1), tok)
+            return extend_fn(plan, state, batch, max_count=n, **same)
+
         if split:
             # Decode rows (host order) at 1 + k tokens, then the prefill rows (host order,
             # compacted to p_rows) at mc; a page shortage fails prefill rows first.
             wide = ev & (ecount > d)
             nv = ev & ~wide
-            etok = tokens_of(lanes.seq, osafe, ext_now[osafe], d) if kind.prefix else None
-            state, er = extend_fn(
-                plan,
-                state,
-                ExtendBatch(nv, slot[osafe], gen[osafe], jnp.where(nv, ecount, 1), etok),
-                max_count=d,
-            )
+            state, er = extend_rows(state, nv, osafe, ecount, d)
             wi = jnp.nonzero(wide, size=p_rows, fill_value=r)[0].astype(_I32)
             wv = wi < r
             wo = osafe[jnp.clip(wi, 0, r - 1)]
-            wcount = jnp.where(wv, ecount[jnp.clip(wi, 0, r - 1)], 1)
-            wtok = tokens_of(lanes.seq, wo, ext_now[wo], mc) if kind.prefix else None
-            state, er_w = extend_fn(
-                plan,
-                state,
-                ExtendBatch(wv, slot[wo], gen[wo], wcount, wtok),
-                max_count=mc,
-                same_step=(er,),
-            )
+            wcount = ecount[jnp.clip(wi, 0, r - 1)]
+            state, er_w = extend_rows(state, wv, wo, wcount, mc, same_step=(er,))
             results = (er, er_w)
             row_lane = jnp.concatenate([jnp.where(nv, order, -1), jnp.where(wv, wo, -1)])
             ext_status = _scatter(r, order, order >= 0, er.status, Status.IDLE)
@@ -390,13 +385,7 @@ def step_body(graphdef, plan: CachePlan, kind: StepKind):
             ext_wide = _scatter(r, order, wide, jnp.ones((r,), bool), False)
             wide_overflow = wide_overflow | (jnp.sum(wide) > p_rows)
         else:
-            etok = tokens_of(lanes.seq, osafe, ext_now[osafe], mc) if kind.prefix else None
-            state, er = extend_fn(
-                plan,
-                state,
-                ExtendBatch(ev, slot[osafe], gen[osafe], jnp.where(ev, ecount, 1), etok),
-                max_count=mc,
-            )
+            state, er = extend_rows(state, ev, osafe, ecount, mc)
             results = (er,)
             row_lane = jnp.where(ev, order, -1)
             ext_status = _scatter(r, order, order >= 0, er.status, Status.IDLE)

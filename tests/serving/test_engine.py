@@ -36,9 +36,10 @@ FULL = EngineOptions(overlap=True, prefix_cache=True, mtp=True, split_steps=Fals
 
 
 @functools.cache
-def setup():
+def setup(limits: ServingLimits = LIMITS, pages: int = PAGES):
+    """(tiny model config, a plan of ``limits`` with ``pages`` pages a pool, the model)."""
     cfg = tiny_model()
-    plan = plan_with_pages(deepseek_v4_groups(cfg.cache, verify_width=2), LIMITS, PAGES)
+    plan = plan_with_pages(deepseek_v4_groups(cfg.cache, verify_width=2), limits, pages)
     return cfg, plan, DeepSeekV4.from_params(cfg, init_params(cfg, 0))
 
 

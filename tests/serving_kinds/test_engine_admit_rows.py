@@ -7,10 +7,8 @@ import numpy as np
 import pytest
 from test_engine import assert_whole, base, serve, setup, workload
 
-from flatkv_jax import ServingLimits, plan_with_pages
+from flatkv_jax import ServingLimits
 from flatkv_jax.demo import replay_ops
-from flatkv_jax.model import DeepSeekV4, init_params, tiny_model
-from flatkv_jax.recipes.deepseek_v4 import deepseek_v4_groups
 from flatkv_jax.serving import Engine, EngineOptions
 
 
@@ -39,12 +37,12 @@ def test_admission_rows_default_and_bound():
 def test_admission_cost_follows_admit_rows():
     """The admitting kind's FLOPs less the non-admitting kind's (the admission's share) grow
     with the admission rows, about linearly; the non-admitting kind does not change."""
-    cfg = tiny_model()
-    model = DeepSeekV4.from_params(cfg, init_params(cfg, 0))
-    lim = ServingLimits(
-        max_requests=8, max_context=64, chunk_tokens=12, verify_width=2, step_tokens=32
+    _, plan, model = setup(
+        ServingLimits(
+            max_requests=8, max_context=64, chunk_tokens=12, verify_width=2, step_tokens=32
+        ),
+        40,
     )
-    plan = plan_with_pages(deepseek_v4_groups(cfg.cache, verify_width=2), lim, 40)
     flops = {}
     for rows in (1, 8):
         engine = Engine(model, plan, EngineOptions(overlap=False, admit_rows=rows))

@@ -11,10 +11,8 @@ import numpy as np
 import pytest
 from test_engine import assert_whole, base, serve, serve_continuation, serve_echo, setup, workload
 
-from flatkv_jax import ServingLimits, plan_with_pages
+from flatkv_jax import ServingLimits
 from flatkv_jax.demo import replay_ops
-from flatkv_jax.model import DeepSeekV4, init_params, tiny_model
-from flatkv_jax.recipes.deepseek_v4 import deepseek_v4_groups
 from flatkv_jax.serving import Engine, EngineOptions
 
 
@@ -88,12 +86,12 @@ def test_mixed_step_cost_follows_prefill_rows_not_lanes():
     a 16-lane plan of 128-token chunks: fewer with 1 prefill row than with 8, and fewer with 8
     than unsplit (every lane at ``chunk_tokens``). Its FLOPs say nothing here: the tiny model's
     forward over the step's token layout dominates them, the same in every variant."""
-    cfg = tiny_model()
-    model = DeepSeekV4.from_params(cfg, init_params(cfg, 0))
-    lim = ServingLimits(
-        max_requests=16, max_context=256, chunk_tokens=128, verify_width=2, step_tokens=128
+    _, plan, model = setup(
+        ServingLimits(
+            max_requests=16, max_context=256, chunk_tokens=128, verify_width=2, step_tokens=128
+        ),
+        512,
     )
-    plan = plan_with_pages(deepseek_v4_groups(cfg.cache, verify_width=2), lim, 512)
     accessed = {}
     for rows in (1, 8, 16):
         engine = Engine(model, plan, EngineOptions(overlap=False, admit_rows=1, prefill_rows=rows))
