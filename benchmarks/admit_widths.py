@@ -28,27 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 import vs_vllm
 from _platform import add_platform_argument, use_platform
+from step_widths import admit_at
 
 from flatkv_jax import ServingLimits, plan_with_pages
 from flatkv_jax.compile_options import COORDINATOR_COMPILER_OPTIONS
 from flatkv_jax.coordinator import ops
-from flatkv_jax.coordinator.batches import AdmitBatch, ReleaseBatch, ReleaseMode, RetireBatch
+from flatkv_jax.coordinator.batches import ReleaseBatch, ReleaseMode, RetireBatch
 from flatkv_jax.coordinator.state import create_state
 from flatkv_jax.status import Status
-
-
-def admit_at(plan):
-    """``admit`` of a batch of packed rows (valid, prompt length, tokens...), as the engine's
-    admitting step runs it (first chunk: the plan's ``max_count``)."""
-
-    def step(state, packed):
-        pl = packed[:, 1]
-        first = jnp.minimum(pl, plan.limits.max_count)
-        ab = AdmitBatch(packed[:, 0] != 0, pl, first, packed[:, 2:], jnp.zeros_like(pl))
-        state, res = ops.admit_fn(plan, state, ab)
-        return state, res
-
-    return jax.jit(step, donate_argnums=0, compiler_options=COORDINATOR_COMPILER_OPTIONS)
 
 
 def packed(prompts: list[list[int]], rows: int, width: int) -> np.ndarray:

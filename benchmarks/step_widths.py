@@ -125,14 +125,15 @@ def split_at(plan, narrow: int, width: int, rows: int):
 
 
 def admit_at(plan):
-    """The admission as the engine's admitting step runs it: ``admit`` of the batch's rows of
-    ``max_context`` token columns at the plan's ``max_count`` (the rows are the input's)."""
+    """The admission as the engine's admitting step runs it: ``admit`` of packed rows (valid,
+    prompt length, the prompt's token columns) at the plan's ``max_count`` (the first chunk:
+    the prompt, at most ``max_count``). Returns ``(state, AdmitResult)``."""
 
     def step(state, packed):
         pl = packed[:, 1]
-        ab = AdmitBatch(packed[:, 0] != 0, pl, pl, packed[:, 2:], jnp.zeros_like(pl))
-        state, res = ops.admit_fn(plan, state, ab)
-        return state, jnp.stack([res.status, res.hit])
+        first = jnp.minimum(pl, plan.limits.max_count)
+        ab = AdmitBatch(packed[:, 0] != 0, pl, first, packed[:, 2:], jnp.zeros_like(pl))
+        return ops.admit_fn(plan, state, ab)
 
     return jax.jit(step, donate_argnums=0, compiler_options=COORDINATOR_COMPILER_OPTIONS)
 
