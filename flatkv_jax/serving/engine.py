@@ -830,15 +830,18 @@ class Engine:
         Args:
           admit, narrow: the kind, as in :meth:`step_hlo`.
           width: the admitting kind's prompt-token width, one of :attr:`admit_widths` (None:
-            ``max_context``).
+            ``max_context``); only with ``admit=True``.
 
         Raises:
-          ValueError: ``admit`` and ``narrow`` both True (no such kind), or a ``width`` not
-            among :attr:`admit_widths`.
+          ValueError: ``admit`` and ``narrow`` both True (no such kind), a ``width`` not
+            among :attr:`admit_widths`, or a ``width`` for a non-admitting kind.
         """
         if admit and narrow:
             fail("narrow", narrow, "an admitting step is never a narrow (decode-only) one",
                  "pass admit=False with narrow=True")  # fmt: skip
+        if not admit and width is not None:
+            fail("width", width, "a step kind that admits nothing has no admission width",
+                 "pass width=None with admit=False")  # fmt: skip
         w = self.plan.limits.max_context if width is None else width
         if w not in self.admit_widths:
             fail("width", width, f"the engine's admission widths are {self.admit_widths}",

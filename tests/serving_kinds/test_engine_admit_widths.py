@@ -60,13 +60,15 @@ def test_admit_widths_errors(value, exc, message):
 
 def test_admit_widths_checked_against_the_plan():
     """A width past max_context is refused at Engine(...); compiled_step names only the
-    engine's widths."""
+    engine's widths, and only for an admitting kind."""
     _, plan, model = setup()
     with pytest.raises(ValueError, match=r"admit_widths entry=65 is invalid: it must be <= "):
         Engine(model, plan, EngineOptions(admit_widths=(65,)))
     engine = Engine(model, plan, EngineOptions(overlap=False, admit_widths=(16,)))
     with pytest.raises(ValueError, match=r"width=5 is invalid: the engine's admission widths"):
         engine.compiled_step(True, width=5)
+    with pytest.raises(ValueError, match=r"width=16 is invalid: a step kind that admits nothing"):
+        engine.compiled_step(False, width=16)
 
 
 def test_an_admission_the_device_refuses_is_raised(monkeypatch):
