@@ -256,6 +256,16 @@ def extend_batch(
     valid, slot, gen, count = _handle_rows(plan, rows, size, "count")
     if tokens is None:
         return ExtendBatch(valid, slot, gen, count)
+    if isinstance(tokens, Sequence) and len(tokens) == len(rows):
+        for i, (row, (_, n)) in enumerate(zip(tokens, rows, strict=True)):
+            if isinstance(row, Sequence) and len(row) < int(n):
+                fail(
+                    f"tokens[{i}]",
+                    f"{len(row)} tokens",
+                    f"a row carries its count's tokens (count {int(n)}): a missing token "
+                    "would be published as a zero",
+                    f"pass the step's {int(n)} token ids for row {i}",
+                )
     toks = _token_rows(plan, "tokens", tokens, len(rows), valid.shape[0], plan.limits.max_count)
     return ExtendBatch(valid, slot, gen, count, toks)
 

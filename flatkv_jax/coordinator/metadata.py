@@ -56,6 +56,7 @@ from flatkv_jax.coordinator.layout import (
 from flatkv_jax.coordinator.results import StepResult
 from flatkv_jax.coordinator.segments import segment_rows
 from flatkv_jax.coordinator.state import CacheState
+from flatkv_jax.errors import fail
 from flatkv_jax.groups import blocks_for_span
 from flatkv_jax.plan import CachePlan, check_plan
 from flatkv_jax.status import Status
@@ -142,12 +143,22 @@ def step_metadata_fn(
 
     Raises:
       TypeError/ValueError: at trace time, ``steps`` not a tuple of results of one step in
-        call order (a step whose calls were not checked against one token budget), or a
-        state (or results) of another plan.
+        call order (a step whose calls were not checked against one token budget), a
+        ``max_count`` below a call's, or a state (or results) of another plan.
     """
     check_step_results(check_plan(plan), steps, "steps", "step_metadata", allow_empty=False)
     check_state_for_plan(plan, state, "step_metadata")
     mc = resolve_max_count(plan, max_count)
+    for i, x in enumerate(steps):
+        if x.max_count is not None and x.max_count > mc:
+            fail(
+                "max_count",
+                max_count,
+                f"step_metadata sizes every row's window reads by max_count, and steps[{i}] "
+                f"came from a call made with max_count={x.max_count} (its rows may write that "
+                "many tokens: a smaller bound would silently cut their window reads short)",
+                f"pass max_count >= {x.max_count} (the largest of the step's calls), or None",
+            )
     t_len = plan.limits.step_tokens
     r = state.max_requests
     on = jnp.concatenate([x.status == Status.OK for x in steps]) & jnp.concatenate(

@@ -209,6 +209,7 @@ def admit_fn(
         short_pages=part.short_pages,
         zero=part.zero,
         step_index=len(same_step),
+        max_count=mc,
     )
     return state, result
 
@@ -383,7 +384,8 @@ def extend_fn(
     """Allocates the next step's tokens of running requests and records the step in flight.
 
     Per row: ``IDLE``, ``STALE`` (bad handle, or a release is pending), ``BAD_ARG`` (repeated
-    slot, ``count`` outside ``[1, max_count]``), ``FIFO_FULL``, ``TOO_LONG`` (``n + count >
+    slot, ``count`` outside ``[1, max_count]``, or above the width of ``batch.tokens`` when
+    tokens are given: a row carries all its tokens), ``FIFO_FULL``, ``TOO_LONG`` (``n + count >
     max_context + verify_width``), ``STEP_FULL`` (the tokens would pass the step's
     ``step_tokens``; FIFO rule), ``OUT_OF_PAGES`` (FIFO rule), else ``OK``: every group gets
     the blocks ``[hi, ceil((n + count) / B))`` (history: every new column; window: every column the
@@ -416,6 +418,11 @@ def extend_fn(
     dup = later_duplicates(s, valid & ~stale, r)
     cnt = batch.count
     bad = valid & ~stale & (dup | (cnt < 1) | (cnt > mc))
+    if batch.tokens is not None:
+        # A row must carry its ``count`` tokens: padding the missing ones with zeros would
+        # publish the step's blocks under keys of tokens it never held (another prompt
+        # ending in those zeros would then be served this request's KV).
+        bad = bad | (valid & ~stale & (cnt > batch.tokens.shape[1]))
     n_old = state.extent[s]
     flen = state.fifo_len[s]
     fifo_full = valid & ~stale & ~bad & (flen >= d)
@@ -475,6 +482,7 @@ def extend_fn(
         short_pages=part.short_pages,
         zero=part.zero,
         step_index=len(same_step),
+        max_count=mc,
     )
     return state, result
 

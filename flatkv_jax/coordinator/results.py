@@ -37,6 +37,9 @@ class StepResult:
       step_index: static: the call's place in its step, ``len(same_step)`` of the call that
         produced it (0: the step's first call). ``step_metadata`` accepts ``steps`` only in
         this order, so every call of a step was checked against the same token budget.
+      max_count: static: the ``max_count`` the call ran with (its rows' ``count`` bound);
+        ``step_metadata`` refuses a smaller ``max_count`` (its window spans would cut the
+        reads of longer rows short). None where unknown (a result built by hand).
     """
 
     status: jax.Array
@@ -49,6 +52,7 @@ class StepResult:
     short_pages: jax.Array
     zero: jax.Array
     step_index: int = dataclasses.field(default=0, metadata=dict(static=True))
+    max_count: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass

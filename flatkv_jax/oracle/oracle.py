@@ -375,7 +375,7 @@ class RadixOracle:
         """Grows tables for the next step's tokens; the first short row stops the rest.
 
         Per row: IDLE, STALE (incl. a pending release), BAD_ARG (repeated slot, count outside
-        ``[1, max_count]``), FIFO_FULL, TOO_LONG, STEP_FULL (the call's counts so far pass
+        ``[1, max_count]`` or above the width of ``batch.tokens``), FIFO_FULL, TOO_LONG, STEP_FULL (the call's counts so far pass
         ``step_tokens``; that row and every later one), OUT_OF_PAGES, else OK.
         """
         res = empty_result(batch.valid.shape[0])
@@ -384,7 +384,7 @@ class RadixOracle:
         scheduled, step_full = 0, False
         for i, _, req, status in self._rows(batch, allow_pending=False):
             count = int(batch.count[i])
-            if status is None and not 1 <= count <= self.max_count:
+            if status is None and not 1 <= count <= min(self.max_count, batch.tokens.shape[1]):
                 status = Status.BAD_ARG
             if status is not None:
                 res.status[i] = status

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from coordinator_cases import PLAN
+from coordinator_cases import PLAN, Driver
 
 from flatkv_jax.coordinator import ReleaseMode, create_state, host, ops
 from flatkv_jax.coordinator.metadata import step_metadata_fn
@@ -22,6 +22,7 @@ from flatkv_jax.coordinator.metadata import step_metadata_fn
         (lambda: host.admit_batch(PLAN, [(2**31, 1)]), ValueError, r"rows\[0\].prompt_len=2147483648 is invalid: it must fit int32"),
         (lambda: host.extend_batch(PLAN, [(0, 1)]), TypeError, r"rows\[0\].handle=0 is invalid: a handle is a \(slot, generation\) tuple"),
         (lambda: host.extend_batch(PLAN, [((0, 0),)]), TypeError, r"rows\[0\]=\(\(0, 0\),\) is invalid: a row is \(handle, count\)"),
+        (lambda: host.extend_batch(PLAN, [((0, 0), 3)], tokens=[[7]]), ValueError, r"tokens\[0\]='1 tokens' is invalid: a row carries its count's tokens \(count 3\)"),
         (lambda: host.retire_batch(PLAN, [((0, "x"), 1)]), TypeError, r"rows\[0\].handle.generation='x' is invalid"),
         (lambda: host.release_batch(PLAN, [((0, 0), 0)]), TypeError, r"rows\[0\].mode=0 is invalid: it must be a ReleaseMode"),
         (lambda: host.handle_batch(PLAN, [(0, 0, 0)]), TypeError, r"handles\[0\]=\(0, 0, 0\) is invalid"),
@@ -47,3 +48,19 @@ def test_release_batch_accepts_modes():
         and b.slot.tolist()[:1] == [1]
         and b.valid.tolist() == [True, False, False, False]
     )
+
+
+def test_step_metadata_refuses_a_max_count_below_its_calls():
+    """Window reads are sized by the metadata's ``max_count``: one below the bound a call
+    ran with would cut a longer row's reads short without a sign, so it is refused at trace
+    time; the call's own bound (or more) is accepted."""
+    d = Driver()
+    res = d.admit((16, 16))  # the plan's default max_count (chunk_tokens = 16)
+    assert res.max_count == 16
+    dec = PLAN.limits.decode_tokens
+    with pytest.raises(ValueError, match=r"max_count=2 is invalid: step_metadata sizes every") as e:
+        step_metadata_fn(PLAN, d.state, (res,), max_count=dec)
+    assert "steps[0] came from a call made with max_count=16" in str(e.value)
+    assert "Fix: pass max_count >= 16" in str(e.value)
+    md = step_metadata_fn(PLAN, d.state, (res,), max_count=16)
+    assert int(md.row_count[0]) == 16

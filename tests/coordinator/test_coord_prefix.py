@@ -34,6 +34,8 @@ from flatkv_jax import ServingLimits, plan_with_pages
 from flatkv_jax.coordinator.alloc import evict_bounds
 from flatkv_jax.coordinator.publish import publish_strides, publish_unit
 from flatkv_jax.oracle import RadixOracle
+from flatkv_jax.oracle import admit_batch as oracle_admit_batch
+from flatkv_jax.oracle import extend_batch as oracle_extend_batch
 from flatkv_jax.recipes import deepseek_v4_groups, v4_flash
 
 CHUNK = PLAN.limits.chunk_tokens
@@ -656,3 +658,31 @@ def _assert_same_up_to_bucket_placement(a, b):
     a = dataclasses.replace(a, index=dataclasses.replace(a.index, **strip))
     b = dataclasses.replace(b, index=dataclasses.replace(b.index, **strip))
     assert_same(a, b)
+
+
+def test_an_extend_row_short_of_its_count_tokens_is_refused():
+    """A row whose tokens are fewer than its count would publish the step's blocks under
+    zeros where its tokens were missing (another prompt ending in those zeros would then be
+    served this request's KV): the device says ``BAD_ARG`` and changes nothing, the oracle
+    says the same, and the host builder raises."""
+    prompt = [*SYS, 1, 2, 3, 4, 5, 6, 7, 8]
+    d = PrefixDriver()
+    h, _ = d.prefill(prompt[:36])
+    full = host.extend_batch(d.plan, [(h, 4)], tokens=[prompt[36:40]])
+    short = dataclasses.replace(full, tokens=full.tokens[:, :1])
+    before = snapshot(d.state)
+    assert host.statuses(d._run(ops.extend, short), 1) == [Status.BAD_ARG]
+    assert_same(before, d.state)
+    assert host.statuses(d._run(ops.extend, full), 1) == [Status.OK]  # the whole row is served
+
+    oracle = RadixOracle(d.plan)
+    ob = oracle_admit_batch(d.plan, [(0, prompt[:36], 16)])
+    res = oracle.admit(ob)
+    oh = (int(res.slot[0]), int(res.generation[0]))
+    ext = oracle_extend_batch(d.plan, [(oh, prompt[36:40])])
+    short_o = dataclasses.replace(ext, tokens=ext.tokens[:, :1])
+    assert Status(int(oracle.extend(short_o).status[0])) == Status.BAD_ARG
+    assert Status(int(oracle.extend(ext).status[0])) == Status.OK
+
+    with pytest.raises(ValueError, match=r"tokens\[0\]='1 tokens' is invalid: a row carries"):
+        host.extend_batch(d.plan, [(h, 4)], tokens=[prompt[36:37]])
