@@ -84,6 +84,9 @@ class Sleeping:
     specs: tuple[jax.ShapeDtypeStruct, ...]
     host: tuple[np.ndarray, ...] | None
     committed: tuple[bool, ...] = ()
+    # Set by the first wake: an OFFLOAD state is handed out as is, and a second wake would
+    # hand the same state out beside a second copy of the pools (nothing deleted to notice).
+    _woken: list = dataclasses.field(default_factory=list, repr=False, compare=False)
 
     @property
     def device_bytes(self) -> int:
@@ -198,10 +201,14 @@ def wake(sleeping: Sleeping) -> Woken:
             "call wake(sleep(plan, state, pools, mode))",
             exc=TypeError,
         )
-    if any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(sleeping.state)):
+    if sleeping._woken or any(
+        leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(sleeping.state)
+    ):
         fail(
             "sleeping",
-            "a Sleeping value whose state is deleted",
+            "a Sleeping value woken already"
+            if sleeping._woken
+            else "a Sleeping value whose state is deleted",
             "a sleeping cache can be woken once (wake hands its state out, and the operations "
             "donate it)",
             "keep the Woken value of the first wake and continue with its state and pools",
@@ -221,6 +228,7 @@ def wake(sleeping: Sleeping) -> Woken:
         live, gen = np.asarray(was_live), np.asarray(old_gen)
         retracted = tuple((int(s), int(gen[s])) for s in np.flatnonzero(live))
     pools = jax.tree_util.tree_unflatten(sleeping.treedef, leaves)
+    sleeping._woken.append(True)
     return Woken(state, pools, retracted)
 
 

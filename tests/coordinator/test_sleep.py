@@ -314,9 +314,22 @@ def test_error_messages():
     woken = wake(asleep)
     with pytest.raises(
         ValueError,
-        match=r"sleeping='a Sleeping value whose state is deleted' is invalid: a sleeping cache can be woken once",
+        match=r"sleeping='a Sleeping value woken already' is invalid: a sleeping cache can be woken once",
     ):
         wake(asleep)
+    # OFFLOAD hands its state out as is (nothing deleted): a second wake is refused all the
+    # same, or two callers would continue one state with two copies of the pools.
+    offloaded = sleep(PLAN, woken.state, woken.pools, "offload")
+    woken = wake(offloaded)
+    with pytest.raises(ValueError, match=r"sleeping='a Sleeping value woken already'"):
+        wake(offloaded)
+    # A state that ran on after its wake is deleted (donated): a copy of the Sleeping value
+    # that was never woken is refused for that.
+    twin = dataclasses.replace(sleep(PLAN, woken.state, woken.pools, "offload"), _woken=[])
+    run_on = wake(twin).state
+    ops.retire(PLAN, run_on, host.retire_batch(PLAN, []))
+    with pytest.raises(ValueError, match=r"sleeping='a Sleeping value whose state is deleted'"):
+        wake(dataclasses.replace(twin, _woken=[]))
     with pytest.raises(
         TypeError,
         match=r"sleeping='tuple' is invalid: it must be the Sleeping value sleep\(\) returned",
