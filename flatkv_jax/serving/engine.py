@@ -26,7 +26,7 @@ from flatkv_jax.coordinator.sleep import Sleeping, SleepMode, in_flight_slots
 from flatkv_jax.coordinator.sleep import sleep as sleep_cache
 from flatkv_jax.coordinator.sleep import wake as wake_cache
 from flatkv_jax.coordinator.state import CacheState, create_state
-from flatkv_jax.errors import check_positive_int, fail
+from flatkv_jax.errors import check_positive_int, fail, is_int
 from flatkv_jax.plan import CachePlan, check_plan
 from flatkv_jax.pools import Pools, create_pools
 from flatkv_jax.serving.device import (
@@ -140,9 +140,7 @@ class EngineOptions:
             fail("routing", self.routing, f"it must be one of {list(ROUTING_POLICIES)}",
                  'pass routing="affinity" or routing="least_loaded"')  # fmt: skip
         if self.affinity_slack is not None and (
-            isinstance(self.affinity_slack, bool)
-            or not isinstance(self.affinity_slack, int)
-            or self.affinity_slack < 0
+            not is_int(self.affinity_slack) or self.affinity_slack < 0
         ):
             fail("affinity_slack", self.affinity_slack, "it must be an int >= 0 or None",
                  "pass e.g. affinity_slack=4")  # fmt: skip
@@ -167,13 +165,27 @@ class EngineOptions:
                 check_positive_int(
                     "admit_widths entry", w, "pass admit_widths of ints >= 1, e.g. (1024, 8192)"
                 )
-        if not isinstance(self.fifo_depth, int) or self.fifo_depth < 2:
+        if not is_int(self.fifo_depth):
+            fail("fifo_depth", self.fifo_depth, "it must be an int", "pass fifo_depth=2",
+                 exc=TypeError)  # fmt: skip
+        if self.fifo_depth < 2:
             fail(
                 "fifo_depth",
                 self.fifo_depth,
                 "the engine keeps one step in flight per request while it schedules the next",
                 "pass fifo_depth >= 2",
             )
+        if self.interpret is not None and not isinstance(self.interpret, bool):
+            fail("interpret", self.interpret, "it must be a bool or None",
+                 "pass interpret=True or False, or None (on when the backend is the CPU)",
+                 exc=TypeError)  # fmt: skip
+        # NumPy integers pass the checks above; the options keep Python ints (they are
+        # static arguments of compiled steps and part of their cache keys).
+        for name in ("fifo_depth", "affinity_slack", "admit_rows", "prefill_rows"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))
+        if self.admit_widths is not None:
+            object.__setattr__(self, "admit_widths", tuple(int(w) for w in self.admit_widths))
 
 
 @dataclasses.dataclass
@@ -191,7 +203,8 @@ class RequestOutput:
         prompt plus the tokens generated before it).
       retractions: times it was preempted (and later readmitted).
       logits: with ``keep_logits``, ``float32[len(tokens), vocab]``: row ``i`` is what
-        ``tokens[i]`` was sampled from; else None.
+        ``tokens[i]`` was sampled from, set when the request ends (finished or aborted);
+        else None.
     """
 
     request_id: int
@@ -508,6 +521,11 @@ def _admit_widths(plan: CachePlan, widths: tuple[int, ...] | None) -> tuple[int,
 #: the host built is raised as an engine bug.
 _ADMIT_RETRY = frozenset({Status.NO_SLOT, Status.OUT_OF_PAGES})
 _ADMIT_RETRY_NAMES = " / ".join(sorted(s.name for s in _ADMIT_RETRY))
+#: Extend statuses a scheduled lane may meet: served, nothing scheduled (IDLE), or pages
+#: short (the engine then preempts). Any other refusal of a row the device built from the
+#: lanes (FIFO_FULL, TOO_LONG, STEP_FULL, STALE, BAD_ARG) would leave the request stalled
+#: and ``run()`` looping: raised instead.
+_EXTEND_EXPECTED = frozenset({Status.OK, Status.IDLE, Status.OUT_OF_PAGES})
 
 
 def _admission_width(widths: tuple[int, ...], need: int) -> int:
@@ -782,7 +800,7 @@ class Engine:
         Raises:
           ValueError: an unknown request id.
         """
-        rank = self._rank_of.get(request_id) if isinstance(request_id, int) else None
+        rank = self._rank_of.get(int(request_id)) if is_int(request_id) else None
         if rank is None:
             fail("request_id", request_id, "no request has this id",
                  "pass an id returned by submit")  # fmt: skip
@@ -892,6 +910,22 @@ class Engine:
         if req.out.finished or req.out.aborted:
             return
         req.out.aborted = True
+        if req.releasing:
+            # A retraction (preemption) of it is queued and not dispatched yet: it leaves as
+            # an abort instead, so its in-flight step publishes nothing (a retraction's
+            # would).
+            self._releases = [
+                (lane, rid, ReleaseMode.ABORT if rid == req.rid else mode)
+                for lane, rid, mode in self._releases
+            ]
+        if self.options.keep_logits:
+            # Its tokens are final now (later reports skip an aborted request): so are its
+            # logits, one row per token, as a finished request's.
+            req.out.logits = (
+                np.concatenate(req.logits)
+                if req.logits
+                else np.zeros((0, self.cfg.vocab), np.float32)
+            )
         if req.rid in self._waiting:
             self._waiting.remove(req.rid)
         self._end(req, ReleaseMode.ABORT)
@@ -1188,8 +1222,16 @@ class Engine:
                 q.out.prompt_tokens += q.prompt_len
                 hits += h
                 prompts += q.prompt_len
-            elif int(rep["extend_status"][lane]) == Status.OUT_OF_PAGES:
-                short = True
+            else:
+                status = int(rep["extend_status"][lane])
+                if status == Status.OUT_OF_PAGES:
+                    short = True
+                elif status not in _EXTEND_EXPECTED:
+                    raise RuntimeError(
+                        f"step {d.index} extended request {rid} with status "
+                        f"{Status(status).name}: an engine bug (a step extends what its lanes "
+                        "hold; only OUT_OF_PAGES makes a request wait, by preemption)"
+                    )
             n = int(rep["count"][lane])
             if q.lane == lane:
                 q.pending.pop(d.index, None)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from flatkv_jax import ServingLimits, plan_with_pages
+from flatkv_jax.coordinator import ReleaseMode
 from flatkv_jax.coordinator.audit import check_state, page_counts
 from flatkv_jax.model import DeepSeekV4, init_params, tiny_model
 from flatkv_jax.recipes.deepseek_v4 import deepseek_v4_groups
@@ -147,6 +148,31 @@ def test_preemption_retracts_and_readmission_hits_its_own_prefix():
     assert_whole(engine)
 
 
+def test_abort_of_a_request_whose_retraction_is_queued_releases_it_as_an_abort():
+    """A preemption queues a RETRACT (dispatched with the next step); an abort before that
+    turns it into an ABORT, so the request's in-flight step publishes nothing (a
+    retraction's would). The others give the baseline's tokens and the pools end whole."""
+    _, plan, model = setup()
+    engine = Engine(model, plan, FULL)
+    ids = [engine.submit(p, m) for p, m in workload()]
+    victim = None
+    while victim is None and engine.has_work():
+        before = {i: engine.outputs[i].retractions for i in ids}
+        engine.step()
+        victim = next((i for i in ids if engine.outputs[i].retractions > before[i]), None)
+    assert victim is not None, "the workload no longer preempts"
+    engine.abort(victim)
+    engine.run()
+    modes = [
+        m for name, rel in engine.op_log if name == "release" for r, m, _ in rel if r == victim
+    ]
+    assert modes == [int(ReleaseMode.ABORT)], modes
+    assert engine.outputs[victim].aborted
+    others = [engine.outputs[i].tokens for i in ids if i != victim]
+    assert others == [t for i, t in zip(ids, base()[1], strict=True) if i != victim]
+    assert_whole(engine)
+
+
 def test_prefix_hit_gives_the_same_tokens():
     engine, _ = full()
     rng = np.random.default_rng(3)
@@ -186,6 +212,13 @@ def test_abort_leaves_nothing_behind():
     assert out[prefilling].aborted and out[prefilling].tokens == ()
     assert out[decoding].aborted and 3 <= len(out[decoding].tokens) < 30
     assert out[other].finished and len(out[other].tokens) == 6
+    # keep_logits: an aborted request's logits are set as a finished one's (one row per
+    # token, greedy: each row's argmax is its token), empty where it made no token.
+    vocab = setup()[0].vocab
+    dec = out[decoding]
+    assert dec.logits.shape == (len(dec.tokens), vocab)
+    np.testing.assert_array_equal(dec.logits.argmax(axis=1), dec.tokens)
+    assert out[waiting].logits.shape == out[prefilling].logits.shape == (0, vocab)
     assert_whole(engine)
     engine.abort(decoding)  # aborting twice does nothing
 
@@ -227,6 +260,16 @@ def test_submit_rejects_requests_that_cannot_fit():
         EngineOptions(impl="cuda")
     with pytest.raises(ValueError, match="fifo_depth >= 2"):
         EngineOptions(fifo_depth=1)
+    with pytest.raises(TypeError, match=r"fifo_depth=2.0 is invalid: it must be an int"):
+        EngineOptions(fifo_depth=2.0)
+    with pytest.raises(TypeError, match=r"interpret='no' is invalid: it must be a bool or None"):
+        EngineOptions(interpret="no")
+    # NumPy integers are ints (as everywhere in the library), kept as Python ints.
+    opts = EngineOptions(
+        fifo_depth=np.int64(3), admit_rows=np.int32(2), admit_widths=(np.int64(8),)
+    )
+    assert type(opts.fifo_depth) is int and opts.fifo_depth == 3 and type(opts.admit_rows) is int
+    assert type(opts.admit_widths[0]) is int
     flat = plan_with_pages(
         deepseek_v4_groups(cfg.cache, verify_width=0),
         ServingLimits(max_requests=2, max_context=32, chunk_tokens=8),
@@ -236,9 +279,10 @@ def test_submit_rejects_requests_that_cannot_fit():
         Engine(model, flat, EngineOptions())
     with pytest.raises(TypeError, match=r"flax\.nnx\.Module"):
         Engine(object(), plan, BASE)
-    engine.abort(0)
+    engine.abort(np.int64(0))  # a NumPy id names the same request (submit takes them too)
     engine.run()
     assert engine.outputs[0].aborted and not engine.has_work()
+    assert engine.rank_of(np.int32(0)) == 0
 
 
 def test_pallas_kernels_give_the_same_tokens():
@@ -313,3 +357,33 @@ def test_speculative_acceptance_keeps_outputs_and_publishes_accepted_drafts():
     serve_continuation(engine, rng)
     assert_whole(engine)
     assert st.compilations_after_warmup == 0
+
+
+def test_an_extend_the_device_refuses_is_raised(monkeypatch):
+    """A lane's extend refused for anything but pages (FIFO_FULL, TOO_LONG, STEP_FULL,
+    STALE, BAD_ARG) would leave its request stalled and ``run()`` looping: raised, naming the
+    step, the request and the status. The device never does this, so the report is altered
+    on its way to the host (the first step's served rows read FIFO_FULL)."""
+    from flatkv_jax.status import Status
+
+    real = jax.device_get
+
+    def tampered(x):
+        rep = real(x)
+        if isinstance(rep, dict) and "extend_status" in rep:
+            st = np.array(rep["extend_status"])
+            st[st == Status.OK] = Status.FIFO_FULL
+            rep = {**rep, "extend_status": st}
+        return rep
+
+    _, plan, model = setup()
+    engine = Engine(model, plan, BASE)
+    engine.submit(list(range(1, 21)), 4)
+    engine.step()  # admission only: no extend yet
+    monkeypatch.setattr(jax, "device_get", tampered)
+    with pytest.raises(
+        RuntimeError,
+        match=r"step \d+ extended request 0 with status FIFO_FULL: an engine bug \(a step "
+        r"extends what its lanes hold; only OUT_OF_PAGES makes a request wait",
+    ):
+        engine.run()
