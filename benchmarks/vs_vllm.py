@@ -289,8 +289,9 @@ class OracleShadow:
     """The host oracle driven in lockstep with the coordinator (``--oracle``): every call is
     replayed on it, and the first row whose status or hit differs stops the run."""
 
-    def __init__(self, plan, batch: int):
+    def __init__(self, plan, batch: int, reclaim_in_admission: bool = True):
         self.plan = plan
+        self.reclaim_in_admission = reclaim_in_admission
         self.oracle = RadixOracle(oracle_plan(plan))
         self.handles: dict[int, tuple[int, int]] = {}  # rid -> the oracle's (slot, generation)
         self.b = batch
@@ -338,7 +339,7 @@ class OracleShadow:
         if with_step:
             r = self.oracle.retire(self._handles(with_step, counts))
             self._expect_ok(step, "prefill retire", r, len(with_step))
-        if ok:
+        if ok and self.reclaim_in_admission:
             oks = [rids[j] for j in ok]
             r = self.oracle.reclaim(self._handles(oks, np.zeros(len(oks))))
             self._expect_ok(step, "prefill reclaim", r, len(oks))
@@ -398,6 +399,7 @@ class Run:
         self.trace = trace
         self.rows = args.admit_rows
         self.gran = plan.prefix_granularity
+        reclaim_in_decode = args.reclaim_prefill == "decode"
 
         def decode(state, packed):
             # One host -> device transfer per step: rows (valid, slot, generation, token) of
@@ -429,7 +431,15 @@ class Run:
             # The prefill drops up to `mc / B + 1` window columns per group and row: sweep
             # them in chunks sized for that, not a decode step's 64 entries.
             rb = RetireBatch(ok & (res.count > 0), res.slot, res.generation, res.count)
-            state, _ = ops.retire_reclaim_fn(plan, state, rb, max_count=mc, reclaim_max_count=mc)
+            if reclaim_in_decode:
+                # As the peer counts it: vLLM frees the prefill's out-of-window blocks at the
+                # request's first decode step (remove_skipped_blocks in its allocate_slots),
+                # so our next decode step's retire_reclaim_fn drops them there.
+                state, _ = ops.retire_fn(plan, state, rb, max_count=mc)
+            else:
+                state, _ = ops.retire_reclaim_fn(
+                    plan, state, rb, max_count=mc, reclaim_max_count=mc
+                )
             return state, jnp.stack([res.status, res.slot, res.generation, res.hit])
 
         def release(state, relb):
@@ -444,7 +454,7 @@ class Run:
         self.release = jax.jit(release, donate_argnums=0, compiler_options=copts)
         self.seen: set = set()
         self.compile_s: dict = {}  # shape -> seconds of its first (compiling) call
-        self.oracle = OracleShadow(plan, batch) if args.oracle else None
+        self.oracle = OracleShadow(plan, batch, not reclaim_in_decode) if args.oracle else None
 
     def _timed(self, key, fn, *a):
         t = time.perf_counter()
@@ -644,6 +654,15 @@ def main():
         default=0,
         help="token width of every admission call (0: a power of two fitting the call's "
         "longest prompt, one compilation per bucket; --prompt-max: one compilation)",
+    )
+    ap.add_argument(
+        "--reclaim-prefill",
+        default="admit",
+        choices=("admit", "decode"),
+        help="where the prefill's window pages behind the window are dropped: in the "
+        "admission call (admit, the default: the admission column pays for them) or at the "
+        "request's first decode step (decode: where the peer frees them, so both sides' "
+        "columns count the same work)",
     )
     ap.add_argument(
         "--granularity", type=int, default=128, choices=sorted(GRANULARITY), help="hit granularity"
