@@ -362,8 +362,11 @@ def _as_namespace(namespace, batch: int) -> jax.Array:
     """Normalises a namespace argument to uint32[batch, 2] (static shape/dtype checks only).
 
     Accepted: a Python int or pair (:func:`namespace_words`); uint32[2] or uint32[B, 2] words;
-    an int32/uint32 scalar or [B] vector (a 32-bit namespace: the low word, high word 0 — what a
-    Python int becomes when it is passed through ``jax.jit`` as a traced argument).
+    an int32/uint32 scalar or an int32[B] vector (a 32-bit namespace: the low word, high word 0
+    — what a Python int becomes when it is passed through ``jax.jit`` as a traced argument).
+    A uint32[B] vector is refused: at B = 2 it would read as one namespace's two words, so its
+    meaning would change with the batch size (one tenant's two prompts keyed as two
+    namespaces, and two tenants sharing a low word keyed alike).
     """
     if isinstance(namespace, int | tuple):
         namespace = namespace_words(namespace)
@@ -376,7 +379,20 @@ def _as_namespace(namespace, batch: int) -> jax.Array:
             "build them with namespace_words() or .astype(jnp.uint32)",
             exc=TypeError,
         )
-    if ns.shape in ((), (batch,)):
+    if ns.shape == (2,) and ns.dtype == jnp.uint32:
+        return jnp.broadcast_to(ns[None, :], (batch, 2))
+    if ns.shape == (batch,) and ns.dtype == jnp.uint32:
+        fail(
+            "namespace",
+            f"uint32[{batch}]",
+            "uint32 namespaces are words: uint32[2] (one namespace) or uint32[B, 2] (one per "
+            "prompt); per-prompt low words are int32[B] (a uint32[2] pair and two prompts' "
+            "low words would look alike)",
+            "pass namespace.astype(jnp.int32) for low words, or stack (low, high) pairs into "
+            "uint32[B, 2]",
+            exc=TypeError,
+        )
+    if ns.shape == () or (ns.shape == (batch,) and ns.dtype == jnp.int32):
         low = jnp.broadcast_to(ns.astype(jnp.uint32), (batch,))
         return jnp.stack([low, jnp.zeros_like(low)], axis=1)
     if ns.dtype != jnp.uint32:
@@ -387,8 +403,6 @@ def _as_namespace(namespace, batch: int) -> jax.Array:
             "build them with namespace_words() or .astype(jnp.uint32)",
             exc=TypeError,
         )
-    if ns.shape == (2,):
-        return jnp.broadcast_to(ns[None, :], (batch, 2))
     if ns.shape != (batch, 2):
         fail(
             "namespace.shape",

@@ -338,6 +338,11 @@ def test_errors():
         kb(t, n, jnp.zeros((2, 2), jnp.int32), block_tokens=4)
     with pytest.raises(ValueError, match=r"one namespace \(2,\) or one per prompt \(2, 2\)"):
         kb(t, n, jnp.zeros((3, 2), jnp.uint32), block_tokens=4)
+    t3, n3 = jnp.zeros((3, 8), jnp.int32), jnp.array([8, 8, 8], jnp.int32)
+    with pytest.raises(
+        TypeError, match=r"namespace='uint32\[3\]' is invalid: uint32 namespaces are words"
+    ):
+        kb(t3, n3, jnp.zeros((3,), jnp.uint32), block_tokens=4)
     with pytest.raises(ValueError, match="block_tokens=0 is invalid: it must be positive"):
         kb(t, n, 0, block_tokens=0)
     with pytest.raises(ValueError, match=r"the chain state is uint32\[B, 8\]"):
@@ -522,3 +527,25 @@ def test_chain_state_is_exact_at_the_prompt_length(rng, unit):
                 zero, jnp.asarray(t), jnp.zeros((2,), jnp.int32), inner, ns, seed=SEED
             )
             assert not np.array_equal(np.asarray(K.chain_state(ph, inner)), np.asarray(want_in))
+
+
+def test_a_namespace_pair_means_one_namespace_at_every_batch_size():
+    """``uint32[2]`` (what ``namespace_words`` returns) is one namespace's (low, high) words for
+    every batch size: at B = 2 it was read as two prompts' low words, which keyed one tenant's
+    two equal prompts apart and two tenants sharing a low word alike. Per-prompt low words are
+    ``int32[B]``."""
+    toks = jnp.tile(jnp.arange(8, dtype=jnp.int32)[None, :], (2, 1))
+    n = jnp.array([8, 8], jnp.int32)
+
+    def keys(ns, rows=2):
+        return np.asarray(K.block_keys(toks[:rows], n[:rows], ns, seed=3, block_tokens=4)[0])
+
+    ours, theirs = K.namespace_words((11, 22)), K.namespace_words((11, 99))
+    pair = keys(ours)
+    np.testing.assert_array_equal(pair[0], pair[1])  # one namespace, equal prompts
+    np.testing.assert_array_equal(pair[0], keys(ours, rows=1)[0])  # as at B = 1
+    np.testing.assert_array_equal(pair[0], keys((11, 22))[0])  # as the Python pair
+    assert not np.array_equal(pair[0], keys(theirs)[0])  # another tenant, other keys
+    low = keys(jnp.array([11, 12], jnp.int32))  # int32[B]: one low word per prompt
+    np.testing.assert_array_equal(low[0], keys(11)[0])
+    assert not np.array_equal(low[0], low[1])
