@@ -24,6 +24,10 @@ NULL_PAGE = 0
 RESERVED_PAGES = 2
 #: Largest int32: positions, page ids, slot ids and table indices are int32 on the device.
 INT32_MAX = 2**31 - 1
+#: Most row addresses (``num_pages * rows_per_page``) one pool may have: the page kernels
+#: (``kernels_pallas``) refuse pools past half the int32 range, so a plan past it could be
+#: built but never written. One limit for both.
+MAX_POOL_ROWS = INT32_MAX // 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,12 +206,13 @@ class CachePlan:
                     "verify_width=...)) and to ServingLimits",
                 )
         for g, n in zip(self.groups, self.num_pages, strict=True):
-            if n * g.rows_per_page > INT32_MAX:
+            if n * g.rows_per_page > MAX_POOL_ROWS:
                 fail(
                     f"num_pages[{g.name}]",
                     n,
-                    f"slot ids page * rows_per_page + row are int32: {n:,} pages x "
-                    f"{g.rows_per_page} rows = {n * g.rows_per_page:,} > 2**31 - 1",
+                    f"slot ids page * rows_per_page + row are int32 and the page kernels take "
+                    f"at most {MAX_POOL_ROWS:,} row addresses a pool: {n:,} pages x "
+                    f"{g.rows_per_page} rows = {n * g.rows_per_page:,}",
                     "lower the page count (a smaller HBM budget) for this group",
                 )
             need = self.min_usable_pages(g) + RESERVED_PAGES

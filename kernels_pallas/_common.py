@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from flatkv_jax.errors import fail
+from flatkv_jax.plan import MAX_POOL_ROWS
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
@@ -113,12 +114,12 @@ def check_pool_array(pool: Any, *, name: str, op: str) -> None:
             "page num_pages-1 is the scratch page, and at least one real page)",
             "size the pool with two extra pages",
         )
-    if shape[0] * shape[1] > _INT32_MAX // 2:
+    if shape[0] * shape[1] > MAX_POOL_ROWS:
         fail(
             name,
             f"an array of shape {tuple(shape)}",
             f"{op}: {name} has {shape[0]} * {shape[1]} row addresses, too many for int32 slot "
-            f"ids (limit {_INT32_MAX // 2})",
+            f"ids (limit {MAX_POOL_ROWS})",
             "split the pool",
         )
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
 from flatkv_jax import ServingLimits, plan_for_budget, plan_with_pages
 from flatkv_jax.capacity import parse_size
-from flatkv_jax.plan import CachePlan
+from flatkv_jax.plan import MAX_POOL_ROWS, CachePlan
 from flatkv_jax.recipes import deepseek_v4_groups, full_attention_groups, tiny_v4, v4_flash
+from kernels_pallas._common import check_pool_array
 
 FULL = full_attention_groups(1, 1, 4, dtype="float32", rows_per_page=16)
 
@@ -77,12 +79,22 @@ def test_parse_size_never_truncates():
 
 
 def test_slot_ids_must_fit_int32():
-    # 2**27 pages of 16 rows: slot ids page * 16 + row reach 2**31.
+    # 2**26 pages of 16 rows: 2**30 row addresses, past what the page kernels take (half the
+    # int32 range); the plan refuses it rather than build pools no write could reach.
     with pytest.raises(
         ValueError,
-        match=r"num_pages\[kv\]=134217730 is invalid: slot ids page \* rows_per_page \+ row are int32: 134,217,730 pages x 16 rows = 2,147,483,680 > 2\*\*31 - 1. Fix: lower the page count \(a smaller HBM budget\)",
+        match=r"num_pages\[kv\]=67108866 is invalid: slot ids page \* rows_per_page \+ row are int32 and the page kernels take at most 1,073,741,823 row addresses a pool: 67,108,866 pages x 16 rows = 1,073,741,856. Fix: lower the page count \(a smaller HBM budget\)",
     ):
-        plan_with_pages(FULL, ServingLimits(4, 64, 16), 2**27)
+        plan_with_pages(FULL, ServingLimits(4, 64, 16), 2**26)
+    # Just under it: built, and the kernels' own check (the same limit) takes its pools.
+    usable = MAX_POOL_ROWS // 16 - 2  # the plan adds the null and scratch pages
+    plan = plan_with_pages(FULL, ServingLimits(4, 64, 16), usable)
+    shape = (plan.num_pages[0], 16, 1)
+    check_pool_array(jax.ShapeDtypeStruct(shape, np.float32), name="pool", op="write_rows")
+    with pytest.raises(ValueError, match=r"too many for int32 slot ids \(limit 1073741823\)"):
+        check_pool_array(
+            jax.ShapeDtypeStruct((shape[0] + 1, 16, 1), np.float32), name="pool", op="write_rows"
+        )
     # The budget planner turns an absurd budget into the same refusal, not an OverflowError
     # later (V4-Flash at 80 TiB: slots up to ~6e9).
     groups = deepseek_v4_groups(v4_flash(), verify_width=4)
@@ -102,12 +114,13 @@ def test_tables_and_allocator_must_fit_int32():
         match=r"max_context=1048576 is invalid: the tables of 4096 requests hold 4,294,967,296 int32 entries, indexed by int32 \(> 2\*\*31 - 1\). Fix: lower max_context or max_requests",
     ):
         plan_with_pages(one_row, lim, 2**20)
-    two = (one_row[0], dataclasses.replace(one_row[0], name="kv2"))
+    # Each pool within its own limit (half the int32 range), three together past int32.
+    three = (one_row[0], *(dataclasses.replace(one_row[0], name=f"kv{i}") for i in (2, 3)))
     with pytest.raises(
         ValueError,
-        match=r"num_pages=\(2000000002, 2000000002\) is invalid: the allocator indexes every pool's pages in one int32 array",
+        match=r"num_pages=\(800000002, 800000002, 800000002\) is invalid: the allocator indexes every pool's pages in one int32 array",
     ):
-        plan_with_pages(two, ServingLimits(4, 64, 16), 2_000_000_000)
+        plan_with_pages(three, ServingLimits(4, 64, 16), 800_000_000)
 
 
 def test_recipe_and_limits_must_agree_on_verify_width():
