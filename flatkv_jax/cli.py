@@ -237,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
         "per-rank and total capacity",
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.set_defaults(func=_plan_command)
+    p.set_defaults(func=_plan_command, subparser=p)
     add_demo_parser(sub)  # `flatkv demo` (flatkv_jax/demo/cli.py)
     return parser
 
@@ -269,6 +269,15 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(_join_negative_values(sys.argv[1:] if argv is None else argv))
+    if (
+        getattr(args, "pages", None) is not None
+        and getattr(args, "cached_window_requests", None) is not None
+    ):
+        # plan_with_pages has no such knob: the flag would be accepted and ignored.
+        args.subparser.error(
+            "argument --cached-window-requests: not allowed with argument --pages (it sizes "
+            "the window pools from the --hbm budget; --pages sets every pool's pages itself)"
+        )
     try:
         status = args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit

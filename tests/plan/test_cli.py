@@ -103,6 +103,13 @@ def _usage_error(capsys, argv: list[str]) -> str:
 def test_pages_and_hbm_are_exclusive(capsys):
     err = _usage_error(capsys, ["plan", "--hbm", "80GiB", "--pages", "100"])
     assert err == "flatkv plan: error: argument --pages: not allowed with argument --hbm"
+    # --cached-window-requests sizes pools from a budget: with --pages it would be ignored.
+    err = _usage_error(capsys, ["plan", "--pages", "100", "--cached-window-requests", "4"])
+    assert err == (
+        "flatkv plan: error: argument --cached-window-requests: not allowed with argument "
+        "--pages (it sizes the window pools from the --hbm budget; --pages sets every pool's "
+        "pages itself)"
+    )
 
 
 @pytest.mark.parametrize(
