@@ -153,14 +153,19 @@ def add_demo_parser(subparsers) -> argparse.ArgumentParser:
 
 def demo_command(args: argparse.Namespace) -> int:
     """Runs the demo for parsed arguments; returns the exit status (0: every check passed)."""
-    from flatkv_jax.demo.plot import MissingExtraError, plot_series, require_matplotlib
+    from flatkv_jax.demo.plot import (
+        MissingExtraError,
+        check_plot_path,
+        plot_series,
+        require_matplotlib,
+    )
     from flatkv_jax.demo.report import format_report
     from flatkv_jax.demo.runner import DemoOptions, prepare, run_demo
 
     if args.plot is not None:
         try:
-            require_matplotlib()  # fail now, not after the run
-        except MissingExtraError as e:
+            check_plot_path(args.plot, require_matplotlib())  # fail now, not after the run
+        except (MissingExtraError, ValueError) as e:
             print(f"flatkv: error: {e}", file=sys.stderr)
             return 2
     if args.devices > 1:
@@ -192,17 +197,23 @@ def demo_command(args: argparse.Namespace) -> int:
         report, series = run_demo(
             options, prepared=prepared, on_start=progress.start, on_step=progress.step
         )
+    # The report first: a figure that still fails to write (the folder went away during
+    # the run) must not lose it.
+    if args.json:
+        print(report.to_json())
+    else:
+        print(format_report(report))
     if args.plot is not None:
         title = (
             f"flatkv demo: {report.model}, {report.submitted} requests, seed {report.seed}, "
             f"hit rate {report.hit_rate:.2f}"
         )
-        plot_series(series, args.plot, title=title)
-    if args.json:
-        print(report.to_json())
-    else:
-        print(format_report(report))
-        if args.plot is not None:
+        try:
+            plot_series(series, args.plot, title=title)
+        except OSError as e:
+            print(f"flatkv: error: --plot {args.plot} could not be written: {e}", file=sys.stderr)
+            return 2
+        if not args.json:
             print(f"figure written to {args.plot}")
     return 0 if report.ok else 1
 

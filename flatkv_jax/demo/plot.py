@@ -38,6 +38,33 @@ def require_matplotlib():
     return plt
 
 
+def check_plot_path(path: str, plt) -> None:
+    """Checks before the run that ``--plot`` can be written: a format matplotlib knows (from
+    the suffix) and an existing, writable folder.
+
+    Raises:
+      ValueError: naming the path, the rule and the fix.
+    """
+    import os
+    import pathlib
+
+    target = pathlib.Path(path)
+    formats = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    suffix = target.suffix.lower().lstrip(".")
+    if suffix not in formats:
+        raise ValueError(
+            f"--plot {path} is invalid: the figure's format comes from the suffix, one of "
+            f"{', '.join('.' + f for f in sorted(formats))}. Fix: pass e.g. --plot demo.png."
+        )
+    folder = target.parent if str(target.parent) else pathlib.Path(".")
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise ValueError(
+            f"--plot {path} is invalid: its folder {str(folder)!r} does not exist or cannot "
+            "be written. Fix: create the folder, or pass a path in a writable one."
+        )
+
+
 def plot_series(series: StepSeries, path: str, *, title: str = "flatkv demo") -> None:
     """Writes the three-panel figure to ``path`` (format from the suffix, e.g. ``.png``).
 

@@ -3,11 +3,13 @@ run: run_demo is replaced by a fabricated report where a run would be needed).""
 
 import builtins
 import json
+import re
 
 import pytest
 from demo_cases import JSON_KEYS
 
 from flatkv_jax import cli
+from flatkv_jax.demo import plot as plot_module
 from flatkv_jax.demo import runner
 from flatkv_jax.demo.report import DemoReport, GroupOccupancy, Parity, StepSeries, format_report
 
@@ -178,6 +180,38 @@ def test_plot_writes_a_png(tmp_path, capsys, monkeypatch):
     code, out, _ = run_cli(capsys, "--plot", str(path))
     assert code == 0 and f"figure written to {path}" in out
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "path, message",
+    [
+        ("{tmp}/missing/x.png", r"--plot {tmp}/missing/x.png is invalid: its folder '{tmp}/missing' does not exist or cannot be written"),
+        ("{tmp}/x.notaformat", r"--plot {tmp}/x.notaformat is invalid: the figure's format comes from the suffix, one of .*Fix: pass e.g. --plot demo.png"),
+    ],
+)  # fmt: skip
+def test_plot_path_is_checked_before_the_run(tmp_path, capsys, monkeypatch, path, message):
+    """A path the figure cannot be written to fails in a second, not after the whole run
+    (which then lost its report to a traceback)."""
+
+    def must_not_run(*a, **k):
+        raise AssertionError("the demo ran although --plot cannot be written")
+
+    monkeypatch.setattr(runner, "run_demo", must_not_run)
+    code, out, err = run_cli(capsys, "--plot", path.format(tmp=tmp_path))
+    assert code == 2 and out == ""
+    assert re.search(message.format(tmp=re.escape(str(tmp_path))), err), err
+
+
+def test_a_figure_that_fails_after_the_run_keeps_the_report(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(runner, "run_demo", lambda *a, **k: (fake_report(), fake_series()))
+
+    def gone(*a, **k):
+        raise FileNotFoundError("the folder went away")
+
+    monkeypatch.setattr(plot_module, "plot_series", gone)
+    code, out, err = run_cli(capsys, "--plot", str(tmp_path / "x.png"))
+    assert code == 2 and "c4_kv" in out  # the report was printed first
+    assert f"--plot {tmp_path / 'x.png'} could not be written: the folder went away" in err
 
 
 def test_plot_without_matplotlib_names_the_extra(capsys, monkeypatch):
