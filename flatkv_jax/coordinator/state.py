@@ -262,6 +262,19 @@ def create_state(
             "pass True or False",
             exc=TypeError,
         )
+    if prefix and plan.prefix_granularity >= plan.limits.max_context:
+        # A hit is a whole number of granules and leaves at least one prompt token to
+        # compute, so no prompt of at most max_context tokens could ever hit: prefix reuse
+        # would run (hashing, publishing) for 0 % hits (docs/semantics.md; DESIGN's lesson of
+        # hit lengths blown up by the lcm of block spans).
+        fail(
+            "prefix",
+            prefix,
+            f"the plan's prefix hit granularity (the lcm of its block spans) is "
+            f"{plan.prefix_granularity} tokens, not below max_context="
+            f"{plan.limits.max_context}: no prompt could ever hit",
+            "pass prefix=False, or choose page spans whose lcm is well below max_context",
+        )
     r = plan.limits.max_requests
     width = plan.limits.max_count if prefix else 0
 

@@ -64,3 +64,27 @@ def test_step_metadata_refuses_a_max_count_below_its_calls():
     assert "Fix: pass max_count >= 16" in str(e.value)
     md = step_metadata_fn(PLAN, d.state, (res,), max_count=16)
     assert int(md.row_count[0]) == 16
+
+
+def test_prefix_reuse_on_a_plan_that_can_never_hit_is_refused():
+    """Block spans 7 and 9 hit in granules of 63 tokens: with max_context 60 no prompt could
+    ever hit (a hit leaves at least one token to compute), so prefix reuse would hash and
+    publish for 0 % hits. create_state says so; without the prefix index the plan serves."""
+    from flatkv_jax import ServingLimits, formats, plan_with_pages
+    from flatkv_jax.groups import FieldSpec, GroupSpec, Retention
+
+    row = formats.plain(4, "float32")
+    a = GroupSpec("a", Retention.HISTORY, 7, 1, (0,), (FieldSpec("kv", row),))
+    b = GroupSpec("b", Retention.HISTORY, 9, 1, (1,), (FieldSpec("kv", row),))
+    plan = plan_with_pages(
+        (a, b), ServingLimits(max_requests=2, max_context=60, chunk_tokens=16), 40
+    )
+    assert plan.prefix_granularity == 63
+    with pytest.raises(
+        ValueError,
+        match=r"prefix=True is invalid: the plan's prefix hit granularity \(the lcm of its block "
+        r"spans\) is 63 tokens, not below max_context=60: no prompt could ever hit\. Fix: pass "
+        r"prefix=False",
+    ):
+        create_state(plan)
+    assert not create_state(plan, prefix=False).prefix
