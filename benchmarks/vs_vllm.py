@@ -49,6 +49,11 @@ the bookkeeping is compared) and stops at the first row whose status or hit diff
 whose pool counts (free / in use / cached-only) differ after a step; it prints both hit
 rates. Use it with a small ``B`` (at most 32: the oracle is plain Python).
 
+``--reclaim-prefill decode`` drops the window pages a prefill wrote behind its window at the
+request's first decode step (as vLLM does: its ``admit`` column leaves them out, its
+``decode`` column frees them; ``benchmarks/peer_prefill_blocks.py`` shows it), not in the
+admission call (the default). Measured: both of our columns get worse (docs/benchmarks.md).
+
 ``--evict-ahead-tokens T`` builds the plan with ``CachePlan.evict_ahead_tokens = T`` (an
 admission that evicts tops every pool's free stack up for ``T`` more tokens per request slot;
 docs/semantics.md). ``--compare-evict-ahead A,B`` runs the trace twice in one process, the

@@ -12,8 +12,6 @@ import numpy as np
 from flatkv_jax.errors import fail
 from flatkv_jax.plan import MAX_POOL_ROWS
 
-_INT32_MAX = int(np.iinfo(np.int32).max)
-
 
 class Impl(enum.StrEnum):
     """Which implementation of a page operation to run. Always chosen by an argument.

@@ -375,8 +375,9 @@ class RadixOracle:
         """Grows tables for the next step's tokens; the first short row stops the rest.
 
         Per row: IDLE, STALE (incl. a pending release), BAD_ARG (repeated slot, count outside
-        ``[1, max_count]`` or above the width of ``batch.tokens``), FIFO_FULL, TOO_LONG, STEP_FULL (the call's counts so far pass
-        ``step_tokens``; that row and every later one), OUT_OF_PAGES, else OK.
+        ``[1, max_count]`` or above the width of ``batch.tokens``), FIFO_FULL, TOO_LONG,
+        STEP_FULL (the call's counts so far pass ``step_tokens``; that row and every later
+        one), OUT_OF_PAGES, else OK.
         """
         res = empty_result(batch.valid.shape[0])
         supply = [pool.supply(set()) for pool in self.pools]
