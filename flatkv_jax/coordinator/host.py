@@ -97,6 +97,20 @@ def _columns(
     return jnp.asarray(valid), cols
 
 
+def _check_row_lengths(tokens: Sequence, need: Sequence[int], rule: str, fix: str) -> None:
+    """Each ``tokens[i]`` is a sequence of at least ``need[i]`` token ids, else raises
+    (``rule`` and ``fix`` are formatted with ``n = need[i]`` and ``i``)."""
+    for i, (row, n) in enumerate(zip(tokens, need, strict=True)):
+        if not isinstance(row, Sequence) or len(row) < n:
+            fail(
+                f"tokens[{i}]",
+                f"{len(row)} tokens" if isinstance(row, Sequence) else type(row).__name__,
+                rule.format(n=n, i=i),
+                fix.format(n=n, i=i),
+                exc=ValueError if isinstance(row, Sequence) else TypeError,
+            )
+
+
 def _token_rows(
     plan: CachePlan, what: str, tokens: Sequence, n: int, size: int, width: int
 ) -> jax.Array:
@@ -183,15 +197,9 @@ def admit_batch(
     b = valid.shape[0]
     if not isinstance(tokens, Sequence) or isinstance(tokens, str) or len(tokens) != len(rows):
         _token_rows(plan, "tokens", tokens, len(rows), b, 0)  # raises the shape error
-    for i, row in enumerate(tokens):
-        if not isinstance(row, Sequence) or len(row) < pl[i]:
-            fail(
-                f"tokens[{i}]",
-                f"{len(row)} tokens" if isinstance(row, Sequence) else type(row).__name__,
-                f"the prompt has prompt_len = {pl[i]} tokens",
-                "pass the whole prompt",
-                exc=ValueError if isinstance(row, Sequence) else TypeError,
-            )
+    _check_row_lengths(
+        tokens, pl[: len(rows)], "the prompt has prompt_len = {n} tokens", "pass the whole prompt"
+    )
     cap = plan.limits.max_context
     fitting = [int(p) for p in pl[: len(rows)] if 1 <= p <= cap]
     if width is None:
@@ -256,16 +264,15 @@ def extend_batch(
     valid, slot, gen, count = _handle_rows(plan, rows, size, "count")
     if tokens is None:
         return ExtendBatch(valid, slot, gen, count)
-    if isinstance(tokens, Sequence) and len(tokens) == len(rows):
-        for i, (row, (_, n)) in enumerate(zip(tokens, rows, strict=True)):
-            if isinstance(row, Sequence) and len(row) < int(n):
-                fail(
-                    f"tokens[{i}]",
-                    f"{len(row)} tokens",
-                    f"a row carries its count's tokens (count {int(n)}): a missing token "
-                    "would be published as a zero",
-                    f"pass the step's {int(n)} token ids for row {i}",
-                )
+    if not isinstance(tokens, Sequence) or isinstance(tokens, str) or len(tokens) != len(rows):
+        _token_rows(plan, "tokens", tokens, len(rows), valid.shape[0], 0)  # the shape error
+    _check_row_lengths(
+        tokens,
+        [int(n) for _, n in rows],
+        "a row carries its count's tokens (count {n}): a missing token would be published "
+        "as a zero",
+        "pass the step's {n} token ids for row {i}",
+    )
     toks = _token_rows(plan, "tokens", tokens, len(rows), valid.shape[0], plan.limits.max_count)
     return ExtendBatch(valid, slot, gen, count, toks)
 
